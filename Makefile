@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv and install first.
+# Without an NVIDIA GPU the install is pinned to the CPU torch build (constraints-cpu.txt), so pip
+# never pulls CUDA wheels; with one, pip takes the CUDA torch the registry serves.
+VENV   ?= .venv
+PYTHON ?= python3
+PIP     = $(VENV)/bin/pip
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
+
+.PHONY: install demo test clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(if $(HAS_GPU),,$(PIP) install -q torch==2.13.0 $(TORCH_PIN))
+	$(PIP) install -q -c constraints.txt $(TORCH_PIN) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/vlmexp run configs/demo.yaml
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs

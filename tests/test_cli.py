@@ -1,0 +1,70 @@
+"""The `vlmexp` command end to end: help is fast, tiny model and demo data commands, `run` on the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vlmexp(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_help_does_not_import_heavy_libraries():
+    code = ("import sys, vlmexp.cli; vlmexp.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'prefect', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    start = time.perf_counter()
+    assert vlmexp("--help").returncode == 0
+    assert time.perf_counter() - start < 10  # generous: the point is no 5 s torch import
+
+
+def test_make_tiny_model_and_demo_data_commands(tmp_path):
+    r = vlmexp("make-tiny-model", tmp_path / "m", "--family", "qwen3_vl")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "qwen3_vl"
+    assert vlmexp("make-tiny-model", tmp_path / "m").returncode == 2  # refuses to overwrite
+    r = vlmexp("make-demo-data", tmp_path / "d", "--train", 5, "--val", 3, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((tmp_path / "d" / "train.json").read_text())) == 5
+    assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 8
+
+
+def test_run_demo_builds_model_and_samples(tmp_path):
+    out = tmp_path / "run"
+    r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
+               "data.demo.val=4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    train = (out / "data" / "train.jsonl").read_text().splitlines()
+    val = (out / "data" / "val.jsonl").read_text().splitlines()
+    assert len(train) == 12 and len(val) == 4
+    assert (out / "config.resolved.yaml").is_file()
+    assert list((out / "models").glob("tiny-qwen2_5_vl-*/model.safetensors"))
+    manifest = json.loads((out / "data" / "train.manifest.json").read_text())
+    assert manifest["rows"] == 12 and manifest["sources"][0]["record_format"] == "rec"
+
+
+def test_run_with_val_fraction(tmp_path, demo_data):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {{output_dir: {tmp_path / 'o'}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"
+                   f"data:\n  data_yaml: {demo_data / 'train.yaml'}\n  val_fraction: 0.25\n")
+    r = vlmexp("run", cfg, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    train = (tmp_path / "o/data/train.jsonl").read_text().splitlines()
+    val = (tmp_path / "o/data/val.jsonl").read_text().splitlines()
+    assert (len(train), len(val)) == (18, 6) and not set(train) & set(val)
+    assert json.loads((tmp_path / "o/data/val.manifest.json").read_text())["rows"] == 6
+
+
+def test_run_bad_config_exits_2_before_writing(tmp_path):
+    r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={tmp_path / 'o'}", "grpo.args.beta=-x",
+               cwd=tmp_path)
+    assert r.returncode == 2 and "grpo.args.beta" in r.stderr
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,173 @@
+"""Config loading: every shipped config, overrides, and every bad input answered with where/value/fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmexp.config_loader import dump_config, load_config
+from vlmexp.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"demo.yaml", "qwen2_5_vl_3b_rec.yaml", "geometry3k_math.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_names_its_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must open with a comment giving its command"
+    head = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    assert f"vlmexp run configs/{path.name}" in head
+    cfg = load_config(path, check_paths=path.name == "demo.yaml")
+    assert cfg.run.output_dir
+
+
+def _write(tmp_path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+BASE = "model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {train: 4, val: 2}\n"
+
+
+def _problems(path, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides))
+    return [str(p) for p in e.value.problems]
+
+
+def test_minimal_config_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE))
+    assert cfg.run.output_dir == "outputs/vlmexp"
+    assert cfg.model.family == "qwen2_5_vl" and cfg.model.trust_remote_code is False
+    assert [r.name for r in cfg.grpo.rewards] == ["format", "iou"]
+
+
+def test_overrides_apply_with_types(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE), ["grpo.args.learning_rate=1e-6", "run.seed=7", "sft.enabled=false",
+                                               "data.demo.train=9"])
+    assert cfg.grpo.args["learning_rate"] == "1e-6"  # raw; TRL pass-through converts it (below)
+    assert cfg.run.seed == 7 and cfg.sft.enabled is False and cfg.data.demo.train == 9
+    from vlmexp.trl_args import coerce_trl_args
+
+    converted, problems = coerce_trl_args("grpo", cfg.grpo.args)
+    assert problems == [] and converted["learning_rate"] == pytest.approx(1e-6)
+
+
+def test_unknown_key_names_line_and_suggests(tmp_path):
+    p = _write(tmp_path, BASE + "run:\n  nmae: x\n")
+    [msg] = _problems(p)
+    assert f"{p}:6" in msg and "run.nmae" in msg and "did you mean 'name'" in msg
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    p = _write(tmp_path, BASE + "run:\n  seed: abc\neval:\n  batch_size: 0\nlaunch:\n  launcher: mpi\n")
+    msgs = _problems(p)
+    assert len(msgs) == 3
+    joined = "\n".join(msgs)
+    assert "run.seed = 'abc'" in joined and f"{p}:6" in joined
+    assert "eval.batch_size = 0" in joined and "greater than 0" in joined
+    assert "launch.launcher = 'mpi'" in joined and "'local'" in joined
+
+
+def test_yaml_syntax_error_shows_line(tmp_path):
+    p = _write(tmp_path, BASE + "run:\n  name: [unclosed\n  seed: 1\n")
+    [msg] = _problems(p)
+    assert "YAML syntax error" in msg and f"{p}:" in msg
+
+
+def test_missing_file_and_missing_section(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+    msgs = _problems(_write(tmp_path, "model:\n  path: tiny:qwen2_5_vl\n"))
+    assert any("data" in m and "required" in m for m in msgs)
+
+
+def test_override_errors_name_the_override(tmp_path):
+    msgs = _problems(_write(tmp_path, BASE), ["run.sede=3", "novalue", "run.seed.x=1"])
+    joined = "\n".join(msgs)
+    assert "override 'run.sede=3'" in joined and "did you mean 'seed'" in joined
+    assert "override 'novalue'" in joined and "section.key=value" in joined
+    assert "override 'run.seed.x=1'" in joined
+
+
+def test_trl_args_checked_by_building_trl_configs(tmp_path):
+    p = _write(tmp_path, BASE + "grpo:\n  args:\n    learning_rat: 1.0e-6\n    max_steps: many\n"
+                                "    output_dir: /tmp/x\n")
+    joined = "\n".join(_problems(p))
+    assert "grpo.args.learning_rat" in joined and "did you mean 'learning_rate'" in joined
+    assert "grpo.args.max_steps = 'many'" in joined and "valid integer" in joined
+    assert "grpo.args.output_dir" in joined and "run.output_dir" in joined
+    p = _write(tmp_path, BASE + "grpo:\n  args:\n    num_generations: 3\n    per_device_train_batch_size: 4\n")
+    [msg] = _problems(p)
+    assert "divisible by num_generations" in msg and f"{p}:6" in msg
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("model:\n  path: tiny:llama\ndata:\n  demo: {}\n", "unknown tiny family"),
+    (BASE + "model:\n  path: tiny:qwen2_5_vl\n  min_pixels: 9000\n  max_pixels: 100\n", "swap them"),
+    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  data_yaml: x.yaml\n", "exactly one of"),
+    (BASE + "data:\n  demo: {}\n  prompt_templates: {rec: 'find {thing}'}\n", "only {problem} and {frame}"),
+    (BASE + "data:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n", "less than 1"),
+    (BASE + "launch:\n  launcher: torchrun\n  nnodes: 2\n", "rdzv_endpoint"),
+    (BASE + "run:\n  name: 'bad name!'\n", "letters, digits"),
+    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n    - {json_path: a.json, sampling_strategy: "
+     "'middle:3'}\n", "unknown sampling strategy"),
+])
+def test_semantic_errors_say_the_fix(tmp_path, body, needle):
+    p = _write(tmp_path, body)
+    joined = "\n".join(_problems(p))
+    assert needle in joined
+
+
+def test_check_paths(tmp_path):
+    body = ("model:\n  path: ./no/such/model\ndata:\n  datasets:\n    - {json_path: missing.jsonl, image_root: nodir}\n"
+            "launch:\n  launcher: torchrun\n  deepspeed: nope.json\n")
+    p = _write(tmp_path, body)
+    load_config(p)  # schema alone is fine
+    with pytest.raises(ConfigError) as e:
+        load_config(p, check_paths=True)
+    joined = str(e.value)
+    assert "model.path = './no/such/model'" in joined and "not a hub id" in joined
+    assert "data.datasets.0.json_path" in joined and "data.datasets.0.image_root" in joined
+    assert "launch.deepspeed" in joined
+    hub = _write(tmp_path, "model:\n  path: Qwen/Qwen2.5-VL-3B-Instruct\ndata:\n  demo: {}\n")
+    load_config(hub, check_paths=True)  # a hub id is accepted as such
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE), ["grpo.args.beta=0.04"])
+    out = dump_config(cfg, tmp_path / "resolved.yaml")
+    again = load_config(out)
+    assert again == cfg
+
+
+def test_validate_cli_exit_codes(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml")],
+                        capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml"),
+                          "grpo.args.num_generations=3"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "divisible by num_generations" in bad.stderr
+    paths = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate",
+                            str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")], capture_output=True, text=True, cwd=REPO)
+    assert paths.returncode == 2 and "file not found" in paths.stderr
+    schema = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", "--no-check-paths",
+                             str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")], capture_output=True, text=True, cwd=REPO)
+    assert schema.returncode == 0, schema.stderr
+
+
+def test_readme_config_reference_is_current():
+    from vlmexp.config_reference import render_reference
+
+    readme = (REPO / "README.md").read_text()
+    assert render_reference() in readme, "README config reference is stale: paste `vlmexp config-reference`"

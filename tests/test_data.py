@@ -1,0 +1,206 @@
+"""Record formats, the sampler's output and manifest, and every bad data input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_png, write_json, write_jsonl
+from vlmexp.config import DataSource
+from vlmexp.data.sample import sample_sources
+from vlmexp.data.sources import load_data_yaml
+from vlmexp.errors import DataError
+
+
+@pytest.fixture
+def imgs(tmp_path) -> Path:
+    root = tmp_path / "imgs"
+    make_png(root / "a.png", (64, 48))
+    make_png(root / "b.png", (80, 60), "blue")
+    return root
+
+
+def _sample(tmp_path, sources, seed=0):
+    return sample_sources(sources, tmp_path / "out" / "s.jsonl", seed)
+
+
+def _read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_rec_format_variants(tmp_path, imgs):
+    src = write_json(tmp_path / "rec.json", [
+        {"image": "a.png", "problem": "the red thing", "solution": [1, 2, 30, 40]},
+        {"image": "b.png", "problem": "the blue thing", "solution": "[5, 6, 70, 50]"},
+        {"image": "a.png", "problem": "again", "solution": "<answer>[0, 0, 10, 10]</answer>", "extra": 1},
+    ])
+    res = _sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))])
+    rows = _read(res.path)
+    assert [r["task"] for r in rows] == ["rec"] * 3
+    assert rows[0]["image_paths"] == [str(imgs / "a.png")] and rows[0]["image_sizes"] == [[64, 48]]
+    assert rows[2]["extra"] == 1 and rows[1]["solution"] == "[5, 6, 70, 50]"  # source fields kept as they are
+    assert rows[0]["source"] == str(src) and rows[0]["record_format"] == "rec"
+
+
+def test_conversations_format_multi_image(tmp_path, imgs):
+    src = write_jsonl(tmp_path / "conv.jsonl", [
+        {"id": 1, "image": ["a.png", "b.png"], "conversations": [
+            {"from": "human", "value": "<image><image>Which is red? A or B"}, {"from": "gpt", "value": "A"}]},
+        {"id": 2, "image": "b.png", "accu_reward_method": "math", "conversations": [
+            {"from": "human", "value": "<image>2+2?"}, {"from": "gpt", "value": "4"}]},
+    ])
+    rows = _read(_sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))]).path)
+    assert len(rows[0]["image_paths"]) == 2 and rows[0]["task"] == "exact"
+    assert rows[1]["task"] == "math"
+
+
+def test_easyr1_format_parquet_and_relative_paths(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    make_png(tmp_path / "geo" / "images" / "1.png")
+    table = pa.Table.from_pylist([{"problem": "<image>Find x.", "answer": "30", "images": ["images/1.png"]}] * 4)
+    pq.write_table(table, tmp_path / "geo" / "train.parquet")
+    res = _sample(tmp_path, [DataSource(json_path=str(tmp_path / "geo" / "train.parquet"),
+                                        sampling_strategy="first:50%")])
+    rows = _read(res.path)
+    assert len(rows) == 2 and rows[0]["task"] == "math"
+    assert rows[0]["image_paths"] == [str((tmp_path / "geo" / "images" / "1.png").resolve())]
+
+
+def test_data_yaml_mixture_manifest_and_seed(tmp_path, imgs):
+    write_json(tmp_path / "d" / "a.json",
+               [{"image": "a.png", "problem": f"p{i}", "solution": [0, 0, 10, 10]} for i in range(40)])
+    write_jsonl(tmp_path / "d" / "b.jsonl",
+                [{"image": "b.png", "problem": f"q{i}", "solution": [0, 0, 10, 10]} for i in range(30)])
+    data_yaml = tmp_path / "d" / "mix.yaml"
+    data_yaml.write_text(yaml.safe_dump({"datasets": [
+        {"json_path": "a.json", "sampling_strategy": "random:10", "image_root": str(imgs)},
+        {"json_path": "b.jsonl", "sampling_strategy": "end:20%", "image_root": str(imgs)},
+    ]}))
+    sources = load_data_yaml(data_yaml)
+    res = sample_sources(sources, tmp_path / "o1.jsonl", seed=3)
+    assert res.rows == 16
+    manifest = json.loads(res.manifest_path.read_text())
+    assert res.manifest_path.name == "o1.manifest.json" and manifest["seed"] == 3
+    assert [(s["rows_read"], s["rows_kept"]) for s in manifest["sources"]] == [(40, 10), (30, 6)]
+    assert all(len(s["sha256"]) == 64 for s in manifest["sources"])
+    again = sample_sources(sources, tmp_path / "o2.jsonl", seed=3)
+    other = sample_sources(sources, tmp_path / "o3.jsonl", seed=4)
+    problems = lambda r: [x["problem"] for x in _read(r.path)]  # noqa: E731
+    assert problems(res) == problems(again) and problems(res) != problems(other)
+    assert problems(res)[-6:] == [f"q{i}" for i in range(24, 30)]
+
+
+def _bad(tmp_path, rows, name="bad.jsonl", **src):
+    path = write_jsonl(tmp_path / name, rows) if name.endswith(".jsonl") else tmp_path / name
+    with pytest.raises(DataError) as e:
+        _sample(tmp_path, [DataSource(json_path=str(path), **src)])
+    assert not (tmp_path / "out" / "s.jsonl").exists(), "nothing may be written on error"
+    return str(e.value)
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    msg = _bad(tmp_path, [{"image": "a.png", "problem": "p", "solution": [0, 0, 1, 1]}, "{not json"])
+    assert f"{tmp_path / 'bad.jsonl'}:2" in msg and "malformed JSON" in msg
+
+
+def test_missing_and_empty_files(tmp_path):
+    assert "file not found" in _bad(tmp_path, None, name="nope.json")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        _sample(tmp_path, [DataSource(json_path=str(tmp_path / "empty.jsonl"))])
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"unknown file format '.csv'"):
+        _sample(tmp_path, [DataSource(json_path=str(tmp_path / "x.csv"))])
+
+
+def test_unknown_record_format(tmp_path):
+    msg = _bad(tmp_path, [{"img": "a.png", "question": "q"}])
+    assert "unknown record format" in msg and "['img', 'question']" in msg
+
+
+def test_missing_field(tmp_path, imgs):
+    msg = _bad(tmp_path, [{"image": "a.png", "problem": "p", "solution": [0, 0, 5, 5]},
+                          {"problem": "p", "solution": [0, 0, 5, 5]}], image_root=str(imgs))
+    assert "bad.jsonl:2" in msg and "missing field 'image'" in msg
+
+
+def test_count_above_rows_names_the_source(tmp_path, imgs):
+    msg = _bad(tmp_path, [{"image": "a.png", "problem": "p", "solution": [0, 0, 5, 5]}],
+               image_root=str(imgs), sampling_strategy="first:5")
+    assert "bad.jsonl" in msg and "asks for 5 rows but the file has 1" in msg
+
+
+def test_missing_truncated_and_non_image_files(tmp_path, imgs):
+    good = (imgs / "a.png").read_bytes()
+    (imgs / "trunc.png").write_bytes(good[: len(good) // 2])
+    (imgs / "text.png").write_text("not an image")
+    msg = _bad(tmp_path, [{"image": name, "problem": "p", "solution": [0, 0, 5, 5]}
+                          for name in ("gone.png", "trunc.png", "text.png")], image_root=str(imgs))
+    assert "image not found" in msg and "gone.png" in msg
+    assert "trunc.png" in msg and "text.png" in msg and msg.count("unreadable image") == 2
+    assert "bad.jsonl:1" in msg and "bad.jsonl:2" in msg and "bad.jsonl:3" in msg
+
+
+def test_bad_images_shapes(tmp_path):
+    make_png(tmp_path / "i" / "dot.png", (1, 1))
+    make_png(tmp_path / "i" / "strip.png", (1000, 4))
+    msg = _bad(tmp_path, [{"image": "dot.png", "problem": "p", "solution": [0, 0, 1, 1]},
+                          {"image": "strip.png", "problem": "p", "solution": [0, 0, 1, 1]}],
+               image_root=str(tmp_path / "i"))
+    assert "1x1 pixels" in msg and "aspect ratio 250 exceeds 200" in msg
+
+
+def test_bad_boxes(tmp_path, imgs):
+    msg = _bad(tmp_path, [{"image": "a.png", "problem": "p", "solution": [30, 5, 10, 20]},
+                          {"image": "a.png", "problem": "p", "solution": [0, 0, 65, 20]},
+                          {"image": "a.png", "problem": "p", "solution": "no box here"}], image_root=str(imgs))
+    assert "inverted or empty" in msg and "outside the 64x48 image" in msg and "holds no box" in msg
+
+
+def test_image_tag_count_mismatch(tmp_path, imgs):
+    msg = _bad(tmp_path, [{"image": ["a.png"], "conversations": [
+        {"from": "human", "value": "<image><image>?"}, {"from": "gpt", "value": "A"}]}], image_root=str(imgs))
+    assert "2 <image> tags but the record lists 1 images" in msg
+
+
+def test_bad_data_yaml(tmp_path):
+    p = tmp_path / "d.yaml"
+    p.write_text("datasets:\n  - json_path: a.json\n    sampling_strategy: sometimes\n")
+    with pytest.raises(DataError) as e:
+        load_data_yaml(p)
+    assert f"{p}:3" in str(e.value) and "unknown sampling strategy 'sometimes'" in str(e.value)
+    p.write_text("sources: []\n")
+    with pytest.raises(DataError, match="non-empty `datasets:` list"):
+        load_data_yaml(p)
+
+
+def test_sample_cli_prints_table_and_writes_manifest(tmp_path, demo_data):
+    out = tmp_path / "s.jsonl"
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(demo_data / "train.yaml"), "--out",
+                        str(out), "--seed", "5"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "train.json" in r.stdout and "total" in r.stdout and " 24" in r.stdout
+    assert len(_read(out)) == 24 and json.loads((tmp_path / "s.manifest.json").read_text())["seed"] == 5
+    bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "missing.yaml"), "--out",
+                          str(tmp_path / "x.jsonl")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr and not (tmp_path / "x.jsonl").exists()
+
+
+def test_demo_data_is_valid_rec_and_deterministic(tmp_path, demo_data):
+    from vlmexp.data.demo import make_demo_data
+
+    rows = json.loads((demo_data / "train.json").read_text())
+    assert len(rows) == 24 and all(r["problem"].startswith("the ") for r in rows)
+    again = make_demo_data(tmp_path / "again", train=24, val=8, seed=0)
+    assert (again / "train.json").read_text() == (demo_data / "train.json").read_text()
+    with pytest.raises(FileExistsError):
+        make_demo_data(again, train=2, val=2)
+    res = sample_sources(load_data_yaml(demo_data / "val.yaml"), tmp_path / "v.jsonl", 0)
+    assert res.rows == 8

@@ -1,0 +1,72 @@
+"""The embedded model: each family saves, reloads through the project loader, runs with an image, generates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlmexp.families import FAMILIES, detect_family
+from vlmexp.processor import load_processor
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiny_model_round_trip(tiny_models, family):
+    import torch
+    import transformers
+    from PIL import Image
+
+    path = tiny_models[family]
+    fam = detect_family(path)
+    assert fam.name == family
+    declared = json.loads((path / "processor_config.json").read_text())["processor_class"]
+    assert declared == fam.processor_class  # AutoProcessor loads it where torchvision exists
+    assert json.loads((path / "tokenizer_config.json").read_text())["processor_class"] == fam.processor_class
+
+    proc = load_processor(path, fam)
+    model = getattr(transformers, fam.model_class).from_pretrained(path)
+    assert 0.3e6 < sum(p.numel() for p in model.parameters()) < 3e6
+    tok = proc.tokenizer
+    assert [tok.decode([t]) for t in tok("x=2024")["input_ids"][-4:]] == ["2", "0", "2", "4"]
+    for special in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"):
+        assert len(tok(special)["input_ids"]) == 1
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Locate the red square."}]}]
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>Locate the red square.<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    inputs = proc(text=[text], images=[Image.new("RGB", (120, 90), "red")], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_tiny_model_is_deterministic_and_refuses_overwrite(tmp_path, tiny_models):
+    from safetensors.torch import load_file
+
+    from vlmexp.tiny import make_tiny_model
+
+    again = make_tiny_model(tmp_path / "again", "qwen2_5_vl")
+    a = load_file(tiny_models["qwen2_5_vl"] / "model.safetensors")
+    b = load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    with pytest.raises(FileExistsError, match="not empty"):
+        make_tiny_model(again, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="unknown model family"):
+        make_tiny_model(tmp_path / "x", "llava")
+    assert not (tmp_path / "x").exists()
+
+
+def test_tiny_path_in_config_builds_once(tmp_path):
+    from vlmexp.config import ModelConfig
+    from vlmexp.models import resolve_model
+
+    cfg = ModelConfig(path="tiny:qwen2_vl")
+    path, fam = resolve_model(cfg, tmp_path)
+    assert fam.name == "qwen2_vl" and (tmp_path / "models").exists()
+    stamp = (tmp_path / "models").stat().st_mtime_ns
+    assert resolve_model(cfg, tmp_path)[0] == path
+    assert len(list((tmp_path / "models").iterdir())) == 1 and (tmp_path / "models").stat().st_mtime_ns == stamp

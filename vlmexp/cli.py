@@ -1,0 +1,126 @@
+"""The `vlmexp` command. Heavy libraries are imported inside each command, so `vlmexp --help` is instant.
+
+Bad input exits with status 2 and the list of problems on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vlmexp.errors import VlmexpError
+
+FAMILY_NAMES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from vlmexp.config_loader import load_config
+
+    cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths)
+    print(f"{args.config}: ok (model {cfg.model.path}, output_dir {cfg.run.output_dir})")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from vlmexp.tiny import make_tiny_model
+
+    out = make_tiny_model(args.dir, args.family)
+    print(f"wrote tiny {args.family} model to {out}")
+    return 0
+
+
+def cmd_make_demo_data(args: argparse.Namespace) -> int:
+    from vlmexp.data.demo import make_demo_data
+
+    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed)
+    print(f"wrote {args.train} train and {args.val} val records to {out} (data YAMLs: train.yaml, val.yaml)")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from vlmexp.data.sample import format_report, sample_sources
+    from vlmexp.data.sources import load_data_yaml
+
+    result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed)
+    print(format_report(result))
+    print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Validate, resolve the model (building a tiny one if asked), and sample the data."""
+    from vlmexp.config_loader import dump_config, load_config
+    from vlmexp.data.prepare import prepare_data
+    from vlmexp.models import resolve_model
+
+    cfg = load_config(args.config, args.overrides, check_paths=True)
+    out = Path(cfg.run.output_dir)
+    dump_config(cfg, out / "config.resolved.yaml")
+    model_path, family = resolve_model(cfg.model, out)
+    print(f"model: {model_path} ({family.name})")
+    data = prepare_data(cfg)
+    print(f"data: train {data.train}" + (f", val {data.val}" if data.val else "") +
+          f" (manifest hash {data.manifest_sha256[:12]})")
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from vlmexp.config_reference import render_reference
+
+    print(render_reference(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmexp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a config (schema, TRL args, paths); exit 0 or 2")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.args.learning_rate=1e-6")
+    p.add_argument("--no-check-paths", action="store_true", help="check the schema only")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("make-tiny-model", help="write a tiny random-weight model of a family (offline)")
+    p.add_argument("dir")
+    p.add_argument("--family", choices=FAMILY_NAMES, default="qwen2_5_vl")
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
+    p.add_argument("dir")
+    p.add_argument("--train", type=int, default=256)
+    p.add_argument("--val", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_demo_data)
+
+    p = sub.add_parser("sample", help="sample a VLM-R1 data YAML into one JSONL file plus a manifest")
+    p.add_argument("data_yaml")
+    p.add_argument("--out", required=True, help="output .jsonl file")
+    p.add_argument("--seed", type=int, default=42)
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("run", help="run the pipeline for a config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("config-reference", help="print the config reference (markdown)")
+    p.set_defaults(func=cmd_config_reference)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VlmexpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

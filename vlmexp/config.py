@@ -1,0 +1,268 @@
+"""The one typed config tree. Every section rejects unknown keys; `load_config` reports all errors at once.
+
+Relative paths in a config resolve against the working directory the command runs in (the repository
+root for the shipped configs). Training arguments that TRL defines are not restated here: `sft.args`
+and `grpo.args` pass through to `trl.SFTConfig` / `trl.GRPOConfig` and are validated by building them
+(see `vlmexp.config_loader.check_trl_args`).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+from vlmexp.families import FAMILIES, TINY_PREFIX
+
+Task = Literal["rec", "math", "exact"]
+TASKS: tuple[str, ...] = ("rec", "math", "exact")
+
+FRAME_HINTS = {
+    "pixels": "in absolute pixel coordinates of the image",
+    "grid1000": "in coordinates normalised to 0-1000",
+}
+DEFAULT_PROMPT_TEMPLATES: dict[str, str] = {
+    "rec": (
+        "Locate {problem}. First output the thinking process in <think> </think> tags, then output "
+        "the bounding box as [x1, y1, x2, y2] {frame} in <answer> </answer> tags."
+    ),
+    "math": (
+        "{problem} First think step by step in <think> </think> tags, then give the final answer "
+        "in <answer> </answer> tags."
+    ),
+    "exact": "{problem} Think in <think> </think> tags, then answer in <answer> </answer> tags.",
+}
+TEMPLATE_FIELDS = {"problem", "frame"}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunConfig(Section):
+    name: str = Field("vlmexp", description="Experiment name: MLflow experiment, output folder name.")
+    output_dir: str | None = Field(None, description="Where every stage writes. Default: outputs/<name>.")
+    seed: int = Field(42, description="Seed for sampling, initialisation and training.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+        return v
+
+    @model_validator(mode="after")
+    def _default_output_dir(self) -> RunConfig:
+        if self.output_dir is None:
+            self.output_dir = f"outputs/{self.name}"
+        return self
+
+
+class TinyModelConfig(Section):
+    """Sizes for `model.path: tiny:<family>` (see vlmexp.tiny.TinySpec)."""
+
+    hidden_size: PositiveInt = 128
+    intermediate_size: PositiveInt = 256
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    vision_hidden_size: PositiveInt = 64
+    vision_depth: PositiveInt = 2
+    vision_heads: PositiveInt = 4
+    vocab_size: PositiveInt = 1024
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 8:
+            raise ValueError("hidden_size / num_heads must be a multiple of 8 (mrope needs it)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        return self
+
+
+class ModelConfig(Section):
+    path: str = Field(..., description="Local HF folder, hub id (org/name), or tiny:<family>.")
+    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] | None = Field(
+        None, description="Detected from the checkpoint's config.json when left out."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    min_pixels: PositiveInt | None = Field(None, description="Image pixel floor; default: the processor's.")
+    max_pixels: PositiveInt | None = Field(None, description="Image pixel ceiling; default: the processor's.")
+    trust_remote_code: bool = False
+    tiny: TinyModelConfig | None = Field(None, description="Sizes for tiny:<family> models.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if v.startswith(TINY_PREFIX) and v[len(TINY_PREFIX):] not in FAMILIES:
+            raise ValueError(f"unknown tiny family; use one of: {', '.join(TINY_PREFIX + f for f in FAMILIES)}")
+        if not v.strip():
+            raise ValueError("give a local model folder, a hub id (org/name) or tiny:<family>")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels}): swap them")
+        if self.tiny is not None and not self.path.startswith(TINY_PREFIX):
+            raise ValueError("model.tiny applies only to model.path: tiny:<family>; remove model.tiny")
+        if self.path.startswith(TINY_PREFIX):
+            family = self.path[len(TINY_PREFIX):]
+            if self.family not in (None, family):
+                raise ValueError(f"family {self.family!r} contradicts path {self.path!r}: remove model.family")
+            self.family = family  # type: ignore[assignment]
+        return self
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.path.startswith(TINY_PREFIX)
+
+
+class DataSource(Section):
+    """One entry of a VLM-R1 data YAML's `datasets:` list."""
+
+    json_path: str = Field(..., description=".json (a list), .jsonl or .parquet file of records.")
+    sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
+    image_root: str | None = Field(None, description="Folder that relative image paths resolve against.")
+    task: Task | None = Field(None, description="rec | math | exact; default from the record format.")
+
+    @field_validator("sampling_strategy")
+    @classmethod
+    def _strategy(cls, v: str) -> str:
+        from vlmexp.data.sampling import parse_strategy
+
+        parse_strategy(v)  # raises ValueError with the fix
+        return v
+
+
+class DemoDataConfig(Section):
+    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use."""
+
+    train: PositiveInt = 256
+    val: PositiveInt = 64
+    seed: int = 0
+
+
+class DataConfig(Section):
+    datasets: list[DataSource] | None = Field(None, description="Training sources (VLM-R1 YAML entries).")
+    data_yaml: str | None = Field(None, description="A VLM-R1 data YAML with a `datasets:` list.")
+    demo: DemoDataConfig | None = Field(None, description="Use the generated demo dataset.")
+    val_datasets: list[DataSource] | None = Field(None, description="Held-out sources.")
+    val_data_yaml: str | None = None
+    val_fraction: float | None = Field(None, gt=0, lt=1, description="Hold out this share of training rows.")
+    system_prompt: str | None = None
+    prompt_templates: dict[Task, str] = Field(default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES))
+
+    @field_validator("prompt_templates")
+    @classmethod
+    def _templates(cls, v: dict[str, str]) -> dict[str, str]:
+        for task, template in v.items():
+            try:
+                fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+            except ValueError as e:
+                raise ValueError(f"template for {task!r} is malformed ({e}); escape braces as {{{{ }}}}") from None
+            unknown = fields - TEMPLATE_FIELDS
+            if unknown:
+                raise ValueError(
+                    f"template for {task!r} uses {sorted(unknown)}; only {{problem}} and {{frame}} exist"
+                    " (escape literal braces as {{ }})"
+                )
+            if "problem" not in fields:
+                raise ValueError(f"template for {task!r} must contain {{problem}}")
+        return {**DEFAULT_PROMPT_TEMPLATES, **v}
+
+    @model_validator(mode="after")
+    def _one_train_source(self) -> DataConfig:
+        given = [k for k in ("datasets", "data_yaml", "demo") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"set exactly one of data.datasets, data.data_yaml, data.demo (got {given or 'none'})"
+            )
+        val = [k for k in ("val_datasets", "val_data_yaml", "val_fraction") if getattr(self, k) is not None]
+        if len(val) > 1:
+            raise ValueError(f"set at most one of data.val_datasets, data.val_data_yaml, data.val_fraction "
+                             f"(got {val})")
+        return self
+
+
+class StageConfig(Section):
+    enabled: bool = True
+    args: dict[str, Any] = Field(default_factory=dict, description="Passed through to TRL's config class.")
+
+
+class SFTStageConfig(StageConfig):
+    """Supervised fine-tuning with trl.SFTTrainer; `args` are trl.SFTConfig fields."""
+
+
+class RewardSpec(Section):
+    name: str = Field(..., description="A registered reward name, or module:function.")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class GRPOStageConfig(StageConfig):
+    """GRPO with trl.GRPOTrainer; `args` are trl.GRPOConfig fields."""
+
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="format", weight=0.5), RewardSpec(name="iou", weight=1.0)]
+    )
+
+
+class EvalConfig(Section):
+    enabled: bool = True
+    batch_size: PositiveInt = 8
+    max_new_tokens: PositiveInt = 128
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    max_samples: PositiveInt | None = None
+
+
+class ExportConfig(Section):
+    enabled: bool = True
+    merge_lora: bool = True
+    registered_name: str | None = None
+    metric: str = "rec_mean_iou"
+    direction: Literal["maximize", "minimize"] = "maximize"
+
+
+class TrackingConfig(Section):
+    backend: Literal["mlflow", "none"] = "mlflow"
+    tracking_uri: str | None = Field(None, description="Default sqlite:///<output root>/mlflow.db; "
+                                                        "MLFLOW_TRACKING_URI wins.")
+    experiment_name: str | None = Field(None, description="Default: run.name.")
+
+
+class LaunchConfig(Section):
+    launcher: Literal["local", "torchrun", "accelerate", "deepspeed"] = "local"
+    nproc_per_node: PositiveInt = 1
+    nnodes: PositiveInt = 1
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node runs.")
+    deepspeed: str | None = Field(None, description="DeepSpeed JSON config path.")
+    accelerate_config: str | None = None
+    hostfile: str | None = None
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> LaunchConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.launcher in ("torchrun", "accelerate") and not self.rdzv_endpoint:
+            raise ValueError("multi-node torchrun/accelerate needs launch.rdzv_endpoint (host:port of node 0)")
+        if self.launcher == "local" and (self.nproc_per_node > 1 or self.nnodes > 1):
+            raise ValueError("launcher 'local' runs one process; use torchrun, accelerate or deepspeed")
+        return self
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    data: DataConfig
+    sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
+    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)

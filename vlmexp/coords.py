@@ -1,0 +1,115 @@
+"""Boxes between original pixels and each family's frame, and parsing boxes out of text.
+
+Qwen2.5-VL answers in absolute pixels of the image *after* smart_resize; Qwen2-VL and Qwen3-VL answer
+on a 0-1000 grid. Ground truth stays in original pixels; everything maps through here, with the pixel
+budget read from the loaded processor (`vlmexp.processor.pixel_budget`), so SFT targets, GRPO rewards
+and evaluation agree. `smart_resize` is transformers' algorithm, restated so that scoring does not
+import torch; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from vlmexp.families import BoxFrame
+
+Box = list[float]  # [x1, y1, x2, y2]
+
+# Real Qwen2.5-VL checkpoints ship these (preprocessor_config.json); class defaults differ.
+QWEN25_CHECKPOINT_MIN_PIXELS = 3136
+QWEN25_CHECKPOINT_MAX_PIXELS = 12845056
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) the Qwen-VL image processor resizes an image to: multiples of `factor`, area in bounds."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+                         f"got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _scale(frame: BoxFrame, width: int, height: int, budget) -> tuple[float, float]:
+    """Multipliers (sx, sy) from original pixels to the frame."""
+    if frame == "grid1000":
+        return 1000.0 / width, 1000.0 / height
+    if budget is None:
+        raise ValueError("the 'pixels' frame needs the processor's pixel budget (patch/merge size, min/max pixels)")
+    h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
+    return w / width, h / height
+
+
+def to_frame(box: Sequence[float], width: int, height: int, frame: BoxFrame, budget=None) -> Box:
+    """Original-pixel box -> the family's frame."""
+    sx, sy = _scale(frame, width, height, budget)
+    x1, y1, x2, y2 = box
+    return [x1 * sx, y1 * sy, x2 * sx, y2 * sy]
+
+
+def from_frame(box: Sequence[float], width: int, height: int, frame: BoxFrame, budget=None) -> Box:
+    """A box in the family's frame -> original pixels."""
+    sx, sy = _scale(frame, width, height, budget)
+    x1, y1, x2, y2 = box
+    return [x1 / sx, y1 / sy, x2 / sx, y2 / sy]
+
+
+def format_box(box: Sequence[float]) -> str:
+    """How a target box is written in answers: integers, as the models emit them."""
+    return "[" + ", ".join(str(int(round(v))) for v in box) + "]"
+
+
+def iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two [x1, y1, x2, y2] boxes (0 for degenerate boxes)."""
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_NUMBERS = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,"
+                      r"\s*(-?\d+(?:\.\d+)?)\s*\]")
+
+
+def parse_box(value: Any) -> Box | None:
+    """A box from a list, a string holding a list, `<answer>...</answer>`, or Qwen's {"bbox_2d": [...]}.
+
+    Returns None when no box can be read; never guesses.
+    """
+    if isinstance(value, dict):
+        return parse_box(value.get("bbox_2d", value.get("bbox")))
+    if isinstance(value, (list, tuple)):
+        if len(value) == 1 and isinstance(value[0], (dict, list, tuple)):
+            return parse_box(value[0])
+        if len(value) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return [float(v) for v in value]
+        return None
+    if not isinstance(value, str):
+        return None
+    m = _ANSWER.search(value)
+    text = m.group(1) if m else value
+    try:
+        parsed = json.loads(text.strip())
+    except json.JSONDecodeError:
+        parsed = None
+    if parsed is not None:
+        box = parse_box(parsed)
+        if box is not None:
+            return box
+    m = _NUMBERS.search(text)
+    return [float(g) for g in m.groups()] if m else None

@@ -1,0 +1,89 @@
+"""Record formats a source may use, detected per source from its first record.
+
+(a) "rec": VLM-R1 REC, {"image", "problem", "solution": [x1, y1, x2, y2]} (box in original pixels; the
+    solution may be a string holding the list or <answer>[...]</answer>).
+(b) "conversations": VLM-R1 JSONL, {"id", "image": str | list, "conversations": [{"from": "human",
+    "value": "<image>..."}, {"from": "gpt", "value": "..."}]}, optional "accu_reward_method".
+(c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [path, ...]}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlmexp.coords import parse_box
+
+FORMATS = ("rec", "conversations", "easyr1")
+DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math"}
+# accu_reward_method values of VLM-R1 JSONL data -> our task
+ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
+EXPECTED = ("rec: image, problem, solution; conversations: image, conversations; "
+            "easyr1: problem, answer, images")
+
+
+@dataclass(frozen=True)
+class Example:
+    """What every format reduces to: images (as written in the record), the question, the answer."""
+
+    images: list[str]
+    problem: str
+    solution: Any  # a box (list of 4 floats) for rec, else a string
+    task: str
+
+
+def detect_format(record: dict[str, Any]) -> str | None:
+    if "conversations" in record:
+        return "conversations"
+    if "answer" in record and "images" in record:
+        return "easyr1"
+    if "solution" in record and "problem" in record:
+        return "rec"
+    return None
+
+
+def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
+    """The record's Example, or ValueError naming the missing or malformed field and the fix."""
+    def need(key: str) -> Any:
+        if key not in record or record[key] is None:
+            raise ValueError(f"missing field {key!r} (format {fmt!r} needs {EXPECTED.split(';')[FORMATS.index(fmt)]})")
+        return record[key]
+
+    if fmt == "rec":
+        images, problem, solution = _as_list(need("image"), "image"), need("problem"), need("solution")
+    elif fmt == "easyr1":
+        images, problem, solution = _as_list(need("images"), "images"), need("problem"), need("answer")
+    else:
+        turns = need("conversations")
+        if not isinstance(turns, list) or len(turns) < 2:
+            raise ValueError("field 'conversations' must list a human turn and a gpt turn")
+        human = next((t for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+        gpt = next((t for t in turns if isinstance(t, dict) and t.get("from") == "gpt"), None)
+        if human is None or gpt is None or "value" not in human or "value" not in gpt:
+            raise ValueError("field 'conversations' needs {'from': 'human', 'value'} and {'from': 'gpt', 'value'}")
+        images = _as_list(record.get("image", []), "image")
+        tags = str(human["value"]).count("<image>")
+        if tags and tags != len(images):
+            raise ValueError(f"human turn has {tags} <image> tags but the record lists {len(images)} images; "
+                             f"make them match")
+        problem, solution = str(human["value"]).replace("<image>", "").strip(), gpt["value"]
+        task = task or ACCU_TASK.get(str(record.get("accu_reward_method", "")), None)
+    task = record.get("task") if record.get("task") in DEFAULT_TASK.values() else task
+    task = task or DEFAULT_TASK[fmt]
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError("the question (problem) is empty; give each record a question")
+    if task == "rec":
+        box = parse_box(solution)
+        if box is None:
+            raise ValueError(f"solution {solution!r} holds no box; write [x1, y1, x2, y2] in original pixels")
+        solution = box
+    else:
+        solution = str(solution)
+    return Example(images=images, problem=problem, solution=solution, task=task)
+
+
+def _as_list(value: Any, key: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) and v for v in items):
+        raise ValueError(f"field {key!r} must be an image path or a list of image paths, got {value!r}")
+    return items

@@ -1,0 +1,231 @@
+"""Build the embedded model: a tiny random-weight Qwen-VL of any supported family, offline.
+
+The folder written here is a normal Hugging Face checkpoint (config.json, safetensors, tokenizer,
+chat template, image processor), so every code path that loads a real checkpoint loads this one.
+The tokenizer is a byte-level BPE trained locally on a small corpus of the prompts and answers the
+pipeline uses, with Qwen's pre-tokenizer (every digit its own token) and Qwen's special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from vlmexp.families import Family, get_family
+
+# Qwen-VL's special tokens, in the order the real tokenizers number them.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+EXTRA_TOKENS = {  # added as plain (non-special) tokens, as the real tokenizers do
+    "qwen2_vl": ["<tool_call>", "</tool_call>"],
+    "qwen2_5_vl": ["<tool_call>", "</tool_call>"],
+    "qwen3_vl": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+}
+
+_WORDS = (
+    "the a an of in on at to is are what where which find locate output box bounding coordinates "
+    "object image picture region answer think first then final reasoning process question please "
+    "small medium large big tiny red green blue yellow purple orange black white gray cyan circle "
+    "square triangle rectangle shape left right top bottom center corner above below next between "
+    "angle triangle area length radius degrees value solve equals therefore because so step given "
+    "describe this with for and or not each one two three four five six seven eight nine ten"
+).split()
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of the tiny model. Defaults give ~1M parameters: it trains on a laptop CPU in seconds."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vision_hidden_size: int = 64
+    vision_depth: int = 2
+    vision_heads: int = 4
+    vocab_size: int = 1024  # BPE vocabulary before special tokens
+    seed: int = 0
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Text resembling the pipeline's prompts and answers, for training the BPE merges."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
+        box = [rng.randint(0, 999) for _ in range(4)]
+        lines.append(f"{words.capitalize()}.")
+        lines.append(f"<think>{words}</think><answer>{json.dumps(box)}</answer>")
+        lines.append(json.dumps({"bbox_2d": box, "label": rng.choice(_WORDS)}))
+        lines.append(f"The answer is \\boxed{{{rng.randint(0, 360)}}}. {words}?\n")
+    return lines
+
+
+def build_tokenizer(family: Family, spec: TinySpec):
+    """A Qwen2Tokenizer with locally trained merges, the family's special tokens and chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import AddedToken, Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),  # \p{N}: digits alone
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    state = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in state["merges"]]
+
+    tokenizer = Qwen2Tokenizer(
+        vocab=state["vocab"],
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=32768,
+    )
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True) for t in SPECIAL_TOKENS]}
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False) for t in EXTRA_TOKENS[family.name]])
+    tokenizer.chat_template = official_chat_template(family)
+    return tokenizer
+
+
+def official_chat_template(family: Family) -> str:
+    """The family's original chat template, as TRL ships it."""
+    return (files("trl") / "chat_templates" / family.chat_template).read_text()
+
+
+def _model_config(family: Family, spec: TinySpec, tokenizer):
+    """A transformers config of the family at tiny sizes, wired to the tokenizer's special ids."""
+    import transformers
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = -(-len(tokenizer) // 64) * 64  # round up to a multiple of 64, as real checkpoints do
+    head_dim = spec.hidden_size // spec.num_heads
+    half = head_dim // 2  # mrope_section (t, h, w) must sum to head_dim / 2
+    mrope = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=spec.vision_depth,
+        num_heads=spec.vision_heads,
+        in_channels=3,
+        patch_size=family.default_patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    if family.name == "qwen2_vl":
+        vision.update(embed_dim=spec.vision_hidden_size, hidden_size=spec.hidden_size, mlp_ratio=2)
+    elif family.name == "qwen2_5_vl":
+        vision.update(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_hidden_size * 2,
+            out_hidden_size=spec.hidden_size,
+            window_size=112,
+            fullatt_block_indexes=[spec.vision_depth - 1],
+        )
+    else:  # qwen3_vl: explicit head_dim, interleaved mrope, deepstack features
+        text.update(head_dim=head_dim)
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_hidden_size * 2,
+            out_hidden_size=spec.hidden_size,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=[spec.vision_depth - 1],
+        )
+    config_class = getattr(transformers, family.model_class.replace("ForConditionalGeneration", "Config"))
+    return config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinySpec | None = None) -> Path:
+    """Write a random-weight model of `family` to `out_dir` and return it.
+
+    Written to a temporary sibling folder and renamed into place, so `out_dir` is either complete
+    or absent, never half-written.
+    """
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    from vlmexp.processor import images_only_class
+
+    fam = get_family(family)
+    spec = spec or TinySpec()
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new folder or delete it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(fam, spec)
+    config = _model_config(fam, spec, tokenizer)
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, fam.model_class)(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
+        pad_token_id=config.text_config.pad_token_id,
+        do_sample=False,
+    )
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=fam.default_patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
+        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if fam.name == "qwen3_vl" else {}),
+    )
+    processor = images_only_class(fam)(image_processor=image_processor, tokenizer=tokenizer,
+                                       chat_template=tokenizer.chat_template)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        image_processor.save_pretrained(tmp)  # preprocessor_config.json, as real checkpoints ship
+        (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **asdict(spec)}, indent=2))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,114 @@
+"""Pass-through of `sft.args` / `grpo.args` to TRL's own config classes.
+
+TRL documents and checks its arguments; we do not restate them. We add what TRL leaves out: unknown
+keys get a "did you mean" hint, each value is type-checked against the dataclass annotation (TRL
+accepts `learning_rate: "abc"` silently), and YAML 1.1 strings like "1e-6" become floats.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from functools import cache
+from typing import Any
+
+# Keys the pipeline sets itself, with where to set them instead.
+RESERVED = {
+    "output_dir": "set run.output_dir instead",
+    "report_to": "set tracking.backend instead (mlflow or none)",
+    "deepspeed": "set launch.deepspeed instead",
+}
+
+
+def trl_config_class(stage: str) -> type:
+    import trl
+
+    return {"sft": trl.SFTConfig, "grpo": trl.GRPOConfig}[stage]
+
+
+@cache
+def _field_types(stage: str) -> dict[str, Any]:
+    import dataclasses
+
+    cls = trl_config_class(stage)
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
+
+
+def _adapter(annotation: Any):
+    from pydantic import TypeAdapter
+
+    try:
+        return TypeAdapter(annotation)
+    except Exception:  # noqa: BLE001 - some annotations (arbitrary classes) have no pydantic schema:
+        return None  # those fields are left to TRL's own checks, which run on every value anyway
+
+
+def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+    """Type-check and convert each value; return (converted args, problems as (key, value, message))."""
+    from pydantic import ValidationError
+
+    types = _field_types(stage)
+    cls_name = trl_config_class(stage).__name__
+    out: dict[str, Any] = {}
+    problems: list[tuple[str, Any, str]] = []
+    for key, value in args.items():
+        if key in RESERVED:
+            problems.append((key, value, f"set by the pipeline; {RESERVED[key]}"))
+            continue
+        if key not in types:
+            hint = difflib.get_close_matches(key, list(types), n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"see the fields of trl.{cls_name}"
+            problems.append((key, value, f"not a trl.{cls_name} field; {fix}"))
+            continue
+        adapter = _adapter(types[key])
+        if adapter is None:
+            out[key] = value
+            continue
+        try:
+            out[key] = adapter.validate_python(value)
+        except ValidationError as e:
+            reason = e.errors()[0]["msg"]
+            problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); change the value"))
+    return out, problems
+
+
+def build_trl_config(stage: str, args: dict[str, Any], output_dir: str, **pipeline_args: Any):
+    """Build trl.SFTConfig / trl.GRPOConfig from our args. Raises ValueError with TRL's explanation.
+
+    On a machine without CUDA, `bf16` defaults to False (TRL defaults it to True) and `use_cpu` to True.
+    """
+    import torch
+
+    converted, problems = coerce_trl_args(stage, args)
+    if problems:
+        key, value, msg = problems[0]
+        raise ValueError(f"{stage}.args.{key} = {value!r}: {msg}")
+    kwargs = {**pipeline_args, **converted}
+    if not torch.cuda.is_available():
+        kwargs.setdefault("bf16", False)
+        kwargs.setdefault("use_cpu", True)
+    return trl_config_class(stage)(output_dir=output_dir, **kwargs)
+
+
+def check_trl_args(stage: str, args: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """Problems with a stage's args as (key or '', value, message); empty when TRL accepts them.
+
+    Hardware is not checked here: a GPU recipe validates on a CPU machine (use_cpu is implied).
+    """
+    import tempfile
+    import warnings
+
+    converted, problems = coerce_trl_args(stage, args)
+    if problems:
+        return problems
+    kwargs = dict(converted)
+    kwargs.setdefault("use_cpu", True)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        # TRL's own defaults use names transformers 5 deprecates; that is not the user's doing.
+        warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6", category=FutureWarning)
+        try:
+            trl_config_class(stage)(output_dir=tmp, **kwargs)
+        except (ValueError, TypeError) as e:
+            return [("", args, f"trl.{trl_config_class(stage).__name__} refuses these args: {e}")]
+    return []
