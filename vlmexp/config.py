@@ -199,9 +199,18 @@ class SFTStageConfig(StageConfig):
 
 
 class RewardSpec(Section):
-    name: str = Field(..., description="A registered reward name, or module:function.")
+    name: str = Field(..., description="A registered reward (format, iou, iou_threshold, math, exact) "
+                                       "or module:function.")
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from vlmexp.rewards import check_reward_name
+
+        check_reward_name(v)
+        return v
 
 
 class GRPOStageConfig(StageConfig):

@@ -1,0 +1,153 @@
+"""Each reward against literal completions, malformed ones included; the registry and custom rewards."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from vlmexp.processor import PixelBudget
+from vlmexp.rewards import (
+    ExactReward, FormatReward, IoUReward, MathReward, RewardError, build_reward, check_reward_name,
+    completion_text, extract_answer,
+)
+
+BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
+
+
+def msg(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_completion_text_and_answer_extraction():
+    assert completion_text(msg("hi")) == "hi" and completion_text("x") == "x"
+    assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "a"}]}]) == "a"
+    assert extract_answer("<answer> 42 </answer>") == "42"
+    assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert extract_answer("<answer>1</answer> then <answer>2</answer>") == "2"
+    assert extract_answer("nothing") is None
+
+
+def test_format_reward():
+    r = FormatReward()
+    assert r(completions=[msg("<think>a</think><answer>b</answer>"), msg(" <think>\na\n</think>\n<answer>b</answer>\n"),
+                          msg("<answer>b</answer>"), msg("<think>a</think><answer>b</answer> trailing"),
+                          msg("")]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert FormatReward(think_tag="reason")(completions=["<reason>x</reason><answer>y</answer>"]) == [1.0]
+
+
+def test_iou_pixels_frame_by_hand():
+    # 1000x500 image -> resized 1008x504 (x and y scale 1.008). GT [100, 50, 200, 100] is
+    # [100.8, 50.4, 201.6, 100.8] in the model's frame.
+    r = IoUReward(frame="pixels", budget=BUDGET)
+    gt, size = [100, 50, 200, 100], [[1000, 500]]
+    scores = r(completions=[msg("<answer>[100.8, 50.4, 201.6, 100.8]</answer>"),
+                            msg('<answer>{"bbox_2d": [151.2, 50.4, 252, 100.8]}</answer>'),  # shifted by half
+                            msg("<answer>[100, 50, 200, 100]</answer>")],
+               solution=[gt] * 3, image_sizes=[size] * 3)
+    assert scores[0] == pytest.approx(1.0)
+    assert scores[1] == pytest.approx(50 / 150)
+    # the raw original-pixel box, read as model-frame pixels, maps back to [100, 50, 200, 100] / 1.008
+    x1, y1, x2, y2 = (v / 1.008 for v in (100, 50, 200, 100))
+    inter = (x2 - 100) * (y2 - 50)
+    assert scores[2] == pytest.approx(inter / (5000 + (x2 - x1) * (y2 - y1) - inter))
+
+
+def test_iou_grid1000_frame_by_hand():
+    r = IoUReward(frame="grid1000")
+    # 200x100 image, GT [20, 10, 60, 50] -> grid [100, 100, 300, 500]
+    scores = r(completions=["<answer>[100, 100, 300, 500]</answer>", "<answer>[200, 100, 400, 500]</answer>"],
+               solution=[[20, 10, 60, 50]] * 2, image_sizes=[[[200, 100]]] * 2)
+    assert scores == [pytest.approx(1.0), pytest.approx(1 / 3)]
+
+
+def test_iou_malformed_completions_score_zero_and_are_counted():
+    r = IoUReward(frame="grid1000")
+    completions = ["no tags at all", "<answer>left corner</answer>", "<answer>[50, 50, 10, 10]</answer>"]
+    assert r(completions=completions, solution=[[0, 0, 5, 5]] * 3, image_sizes=[[[10, 10]]] * 3) == [0.0] * 3
+    assert r.failures == {"no_answer": 1, "no_box": 1, "degenerate_box": 1}
+
+
+def test_iou_threshold_and_task_filter():
+    r = build_reward("iou_threshold", {"threshold": 0.5}, "grid1000", None)
+    scores = r(completions=["<answer>[0, 0, 1000, 1000]</answer>", "<answer>[0, 0, 500, 1000]</answer>",
+                            "<answer>[0, 0, 400, 1000]</answer>", "<answer>7</answer>"],
+               solution=[[0, 0, 10, 10]] * 3 + ["7"], image_sizes=[[[10, 10]]] * 4,
+               task=["rec", "rec", "rec", "math"])
+    assert scores == [1.0, 1.0, 0.0, None]
+
+
+@pytest.mark.parametrize("answer, solution, expected", [
+    ("<answer>0.5</answer>", "1/2", 1.0),
+    ("<answer>\\frac{1}{2}</answer>", "0.5", 1.0),
+    ("The result is \\boxed{30^\\circ}", "30", 1.0),
+    ("<answer>2\\sqrt{3}</answer>", "\\sqrt{12}", 1.0),
+    ("<answer>x = 4</answer>", "4", 1.0),
+    ("<answer>5</answer>", "4", 0.0),
+])
+def test_math_reward_notations(answer, solution, expected):
+    assert MathReward()(completions=[answer], solution=[solution], task=["math"]) == [expected]
+
+
+def test_math_reward_malformed():
+    r = MathReward()
+    assert r(completions=["I don't know", "<answer></answer>"], solution=["3", "3"]) == [0.0, 0.0]
+    assert r.failures["no_answer"] == 1 and sum(r.failures.values()) == 2
+
+
+@pytest.mark.parametrize("answer, solution, expected", [
+    ("<answer>A Cat.</answer>", "a cat", 1.0),
+    ("<answer>(B)</answer>", "B", 1.0),
+    ("<answer>B. the dog</answer>", "B", 1.0),
+    ("<answer>C</answer>", "B", 0.0),
+    ("<answer>yes</answer>", "no", 0.0),
+])
+def test_exact_reward(answer, solution, expected):
+    assert ExactReward()(completions=[answer], solution=[solution]) == [expected]
+
+
+def custom_len(prompts, completions, **kwargs):
+    return [float(len(completion_text(c))) for c in completions]
+
+
+def broken(prompts, completions, solution, **kwargs):
+    return [1.0 / (len(s) - 3) for s in solution]
+
+
+def test_custom_reward_by_module_function():
+    r = build_reward("test_rewards:custom_len", {}, "pixels", None)
+    assert r(completions=[msg("abc"), "hello"]) == [3.0, 5.0]
+    assert r.__name__ == "test_rewards:custom_len"
+
+
+def test_raising_reward_names_itself_and_the_sample():
+    r = build_reward("test_rewards:broken", {}, "pixels", None)
+    with pytest.raises(RewardError) as e:
+        r(prompts=["p0", "p1"], completions=["ok", "bad"], solution=["ab", "abc"])
+    assert "reward 'test_rewards:broken'" in str(e.value) and "sample 1" in str(e.value) and "'bad'" in str(e.value)
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("accuracy", "unknown reward 'accuracy'"),
+    ("os.system", "unknown reward"),
+    ("no_such_module_xyz:f", "cannot import"),
+    ("test_rewards:nothing_here", "no callable 'nothing_here'"),
+    ("a:b c", "neither a registered name"),
+])
+def test_bad_reward_names(name, needle):
+    with pytest.raises(ValueError) as e:
+        check_reward_name(name)
+    assert needle in str(e.value)
+
+
+def test_bad_reward_kwargs():
+    with pytest.raises(ValueError, match="bad kwargs"):
+        build_reward("format", {"tag": "x"}, "pixels", None)
+
+
+def test_rewards_pickle():
+    r = build_reward("iou", {}, "pixels", BUDGET)
+    again = pickle.loads(pickle.dumps(r))
+    # a 28x28 image is upscaled to 56x56 (min_pixels 3136), so the full image is [0, 0, 56, 56]
+    assert again(completions=["<answer>[0, 0, 56, 56]</answer>"], solution=[[0, 0, 28, 28]],
+                 image_sizes=[[[28, 28]]]) == [pytest.approx(1.0)]

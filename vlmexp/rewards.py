@@ -1,0 +1,285 @@
+"""Rewards: small callables with TRL's signature, one registry, YAML picks names, weights and kwargs.
+
+Signature (TRL GRPOTrainer): `f(prompts, completions, **columns) -> list[float | None]`; completions[i]
+is a list of messages (or a string). Dataset columns arrive as keyword lists: `solution`, `task`,
+`image_sizes`, ... A reward returns None for samples it does not apply to (a math reward on a grounding
+record); TRL ignores those in the weighted sum. A completion that cannot be parsed scores 0 and the
+reason is counted in `reward.failures` (logged as metrics); a reward that raises stops training with
+its name and the offending sample (`RewardError`). Evaluation scores with these same objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmexp.coords import from_frame, iou, parse_box
+
+Score = float | None
+
+
+class RewardError(RuntimeError):
+    """A reward function raised: training stops, naming the reward and the sample."""
+
+
+def completion_text(completion: Any) -> str:
+    """The assistant text of a TRL completion (list of messages, a message, or a string)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return completion_text(completion.get("content", ""))
+    if isinstance(completion, list):
+        return "".join(
+            part.get("text", "") if isinstance(part, dict) and "content" not in part else completion_text(part)
+            for part in completion
+        )
+    return str(completion)
+
+
+def extract_answer(text: str, tag: str = "answer") -> str | None:
+    """Content of the last <tag>...</tag>, else of the last \\boxed{...}; None if neither is present."""
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+    if found:
+        return found[-1].strip()
+    boxed = _last_boxed(text)
+    return boxed.strip() if boxed is not None else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def _column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
+    values = kwargs.get(name)
+    return list(values) if values is not None else [None] * n
+
+
+@dataclass
+class Reward:
+    """Base class: subclasses implement `score(text, **sample) -> float | None`."""
+
+    name: str = field(default="", init=False)
+    tasks: tuple[str, ...] = field(default=(), init=False)  # tasks it applies to; () = every task
+    failures: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
+
+    @property
+    def __name__(self) -> str:  # TRL names the reward's metrics after __name__
+        return self.name
+
+    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+                 **kwargs: Any) -> list[Score]:
+        n = len(completions)
+        columns = {k: _column(kwargs, k, n) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
+        out: list[Score] = []
+        for i, completion in enumerate(completions):
+            sample = {k: v[i] for k, v in columns.items()}
+            if self.tasks and sample.get("task") not in (None, *self.tasks):
+                out.append(None)
+                continue
+            out.append(self.score(completion_text(completion), **sample))
+        return out
+
+    def fail(self, reason: str) -> float:
+        self.failures[reason] += 1
+        return 0.0
+
+    def score(self, text: str, **sample: Any) -> Score:
+        raise NotImplementedError
+
+
+@dataclass
+class FormatReward(Reward):
+    """1 when the completion is exactly <think>...</think><answer>...</answer> (tags configurable)."""
+
+    think_tag: str = "think"
+    answer_tag: str = "answer"
+
+    def __post_init__(self) -> None:
+        self.name = "format"
+        t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
+        self._pattern = re.compile(rf"\s*<{t}>.*?</{t}>\s*<{a}>.*?</{a}>\s*", re.DOTALL)
+
+    def score(self, text: str, **sample: Any) -> Score:
+        return 1.0 if self._pattern.fullmatch(text) else 0.0
+
+
+@dataclass
+class IoUReward(Reward):
+    """IoU in original pixels after mapping the predicted box from the family's frame.
+
+    `frame` and `budget` come from the model family and its loaded processor (see build_rewards).
+    With `threshold`, the reward is 1 when IoU >= threshold, else 0 (the `iou_threshold` reward).
+    """
+
+    frame: str = "pixels"
+    budget: Any = None  # vlmexp.processor.PixelBudget, needed for the "pixels" frame
+    threshold: float | None = None
+    answer_tag: str = "answer"
+
+    def __post_init__(self) -> None:
+        self.name = "iou" if self.threshold is None else "iou_threshold"
+        self.tasks = ("rec",)
+
+    def score(self, text: str, solution: Any = None, image_sizes: Any = None, **sample: Any) -> Score:
+        gold = parse_box(solution)
+        if gold is None or not image_sizes:
+            raise ValueError(f"record has no ground-truth box or image size (solution={solution!r}, "
+                             f"image_sizes={image_sizes!r}); sample it with `vlmexp sample`")
+        answer = extract_answer(text, self.answer_tag)
+        if answer is None:
+            return self.fail("no_answer")
+        box = parse_box(answer)
+        if box is None:
+            return self.fail("no_box")
+        if box[2] <= box[0] or box[3] <= box[1]:
+            return self.fail("degenerate_box")
+        width, height = image_sizes[0]
+        value = iou(from_frame(box, width, height, self.frame, self.budget), gold)
+        return value if self.threshold is None else float(value >= self.threshold)
+
+
+@dataclass
+class MathReward(Reward):
+    """1 when math-verify finds the answer (\\boxed{} or <answer>) equal to the solution."""
+
+    answer_tag: str = "answer"
+
+    def __post_init__(self) -> None:
+        self.name = "math"
+        self.tasks = ("math",)
+
+    def score(self, text: str, solution: Any = None, **sample: Any) -> Score:
+        from math_verify import parse, verify
+
+        answer = extract_answer(text, self.answer_tag)
+        if answer is None:
+            return self.fail("no_answer")
+        gold = parse(_as_math(str(extract_answer(str(solution), self.answer_tag) or solution)))
+        if not gold:
+            raise ValueError(f"math-verify cannot parse the solution {solution!r}; fix the record's answer")
+        pred = parse(_as_math(answer))
+        if not pred:
+            return self.fail("unparsable_answer")
+        return 1.0 if verify(gold, pred) else 0.0
+
+
+def _as_math(text: str) -> str:
+    """math-verify reads LaTeX inside $...$ or \\boxed{}; wrap a bare answer so it is found."""
+    return text if any(m in text for m in ("$", "\\boxed", "\\(", "\\[")) else f"${text}$"
+
+
+_CHOICE = re.compile(r"^\(?([A-Za-z])[\).:]?(?:\s|$)")
+
+
+@dataclass
+class ExactReward(Reward):
+    """1 when the answer equals the solution after normalising case, spaces and punctuation, or when
+    both name the same choice letter ("B", "(B)", "B. a cat")."""
+
+    answer_tag: str = "answer"
+
+    def __post_init__(self) -> None:
+        self.name = "exact"
+        self.tasks = ("exact",)
+
+    def score(self, text: str, solution: Any = None, **sample: Any) -> Score:
+        answer = extract_answer(text, self.answer_tag)
+        if answer is None:
+            return self.fail("no_answer")
+        gold = extract_answer(str(solution), self.answer_tag) or str(solution)
+        if _normalise(answer) == _normalise(gold):
+            return 1.0
+        a, g = _CHOICE.match(answer.strip()), _CHOICE.match(gold.strip())
+        return 1.0 if a and g and a.group(1).upper() == g.group(1).upper() else 0.0
+
+
+def _normalise(text: str) -> str:
+    text = text.lower().translate(str.maketrans("", "", string.punctuation))
+    return " ".join(text.split())
+
+
+REGISTRY: dict[str, Callable[..., Reward]] = {
+    "format": FormatReward,
+    "iou": IoUReward,
+    "iou_threshold": lambda threshold=0.5, **kw: IoUReward(threshold=threshold, **kw),
+    "math": MathReward,
+    "exact": ExactReward,
+}
+NEEDS_FRAME = {"iou", "iou_threshold"}
+
+
+def load_custom(ref: str) -> Callable[..., list[Score]]:
+    """Import `module:function`; the only way config text selects code to run."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr.isidentifier():
+        raise ValueError(f"reward {ref!r} is neither a registered name ({', '.join(REGISTRY)}) nor module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward {ref!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def check_reward_name(name: str) -> None:
+    """Raise ValueError (with the fix) unless `name` is registered or a well-formed module:function."""
+    if name in REGISTRY:
+        return
+    if ":" not in name:
+        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(REGISTRY)} or module:function")
+    load_custom(name)
+
+
+def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any) -> Callable[..., list[Score]]:
+    """One reward callable from its config entry."""
+    if name not in REGISTRY:
+        return guarded(load_custom(name), name)
+    args = dict(kwargs)
+    if name in NEEDS_FRAME:
+        args.update(frame=frame, budget=budget)
+    try:
+        reward = REGISTRY[name](**args)
+    except TypeError as e:
+        raise ValueError(f"reward {name!r}: bad kwargs {kwargs} ({e})") from None
+    return guarded(reward, name)
+
+
+class guarded:  # noqa: N801 - used like a function; a class so the reward stays picklable
+    """Wrap a reward so an exception stops training with the reward's name and the sample that broke it."""
+
+    def __init__(self, fn: Callable[..., list[Score]], name: str):
+        self.fn, self.__name__ = fn, name
+
+    @property
+    def failures(self) -> Counter:
+        return getattr(self.fn, "failures", Counter())
+
+    def __call__(self, prompts=None, completions=(), **kwargs):
+        try:
+            return self.fn(prompts=prompts, completions=completions, **kwargs)
+        except Exception as batch_error:
+            for i in range(len(completions)):  # find the first sample that raises, to name it
+                one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(completions) else v
+                       for k, v in kwargs.items()}
+                try:
+                    self.fn(prompts=[prompts[i]] if prompts else None, completions=[completions[i]], **one)
+                except Exception as e:
+                    text = completion_text(completions[i])[:200]
+                    raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on sample "
+                                      f"{i} (completion {text!r}, solution {one.get('solution')!r})") from e
+            raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} on the batch") from batch_error
