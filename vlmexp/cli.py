@@ -65,6 +65,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """One training stage in this process (what a launcher starts)."""
+    import logging
+
+    from vlmexp.config_loader import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, args.overrides, check_paths=True)
+    if args.stage == "sft":
+        from vlmexp.train.sft import run_sft
+
+        final = run_sft(cfg)
+    else:
+        from vlmexp.train.grpo import run_grpo
+
+        final = run_grpo(cfg, args.model)
+    print(f"{args.stage}: final model in {final}")
+    return 0
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     from vlmexp.config_reference import render_reference
 
@@ -105,13 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("train", help="run one training stage (sft or grpo) in this process")
+    p.add_argument("stage", choices=("sft", "grpo"))
+    p.add_argument("--config", required=True)
+    p.add_argument("--model", help="start from this model folder (e.g. the SFT stage's final/)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("config-reference", help="print the config reference (markdown)")
     p.set_defaults(func=cmd_config_reference)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may follow options (`train sft --config C k=v`); anything else is an error
+        if not hasattr(args, "overrides") or not all("=" in x and not x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except VlmexpError as e:
