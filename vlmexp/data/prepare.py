@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmexp.config import Config, DataSource
-from vlmexp.data.sample import SampleResult, _atomic_write, sample_sources
+from vlmexp.data.sample import SampleResult, atomic_write, sample_sources
 from vlmexp.data.sources import load_data_yaml, resolve_relative, sha256_file
 
 
@@ -68,14 +68,14 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
     n_val = min(len(lines) - 1, max(1, round(len(lines) * fraction)))
     held = set(random.Random(f"{seed}:holdout").sample(range(len(lines)), n_val))
     val_path = result.path.with_name("val.jsonl")
-    _atomic_write(val_path, "".join(line for i, line in enumerate(lines) if i in held))
-    _atomic_write(result.path, "".join(line for i, line in enumerate(lines) if i not in held))
+    atomic_write(val_path, "".join(line for i, line in enumerate(lines) if i in held))
+    atomic_write(result.path, "".join(line for i, line in enumerate(lines) if i not in held))
     results = []
     for path, rows in ((result.path, len(lines) - n_val), (val_path, n_val)):
         manifest = json.loads(result.manifest_path.read_text())
         manifest.update(rows=rows, records_sha256=sha256_file(path), holdout={"fraction": fraction,
                         "split": path.stem})
         mpath = path.with_name(path.stem + ".manifest.json")
-        _atomic_write(mpath, json.dumps(manifest, indent=2) + "\n")
+        atomic_write(mpath, json.dumps(manifest, indent=2) + "\n")
         results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows))
     return results[0], results[1]

@@ -165,15 +165,15 @@ def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int) -
                                                    if len(problems) > MAX_PROBLEMS else []))
     out = Path(out_path)
     manifest_path = out.with_name(out.name.removesuffix(".jsonl") + ".manifest.json")
-    _atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     digest = sha256_file(out)
     manifest: dict[str, Any] = {"seed": seed, "rows": len(records), "records_sha256": digest,
                                 "sources": [asdict(r) for r in reports]}
-    _atomic_write(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    atomic_write(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return SampleResult(out, manifest_path, reports, seed, digest, len(records))
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -68,5 +68,16 @@ def last_checkpoint(stage_dir: Path) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
+def train_and_save(trainer, inputs: StageInputs, stage: str, rows: int) -> Path:
+    """Train (resuming from the newest complete checkpoint) and save model + processor under final/."""
+    resume = last_checkpoint(inputs.stage_dir)
+    log.info("%s on %d rows from %s (resume: %s)", stage, rows, inputs.model_path, resume)
+    trainer.train(resume_from_checkpoint=resume)
+    final = inputs.stage_dir / "final"
+    trainer.save_model(str(final))
+    inputs.processor.save_pretrained(str(final))
+    return final
+
+
 def report_to(cfg: Config) -> list[str]:
     return ["mlflow"] if cfg.tracking.backend == "mlflow" else []

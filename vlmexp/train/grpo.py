@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmexp.config import Config
-from vlmexp.train.common import last_checkpoint, load_model, log, prepare_stage, report_to
+from vlmexp.train.common import load_model, prepare_stage, report_to, train_and_save
 
 
 def run_grpo(cfg: Config, model_path: str | None = None) -> Path:
@@ -17,7 +17,6 @@ def run_grpo(cfg: Config, model_path: str | None = None) -> Path:
     from vlmexp.trl_args import build_trl_config
 
     inputs = prepare_stage(cfg, "grpo", model_path)
-    resume = last_checkpoint(inputs.stage_dir)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     model = load_model(cfg, inputs.model_path, inputs.family)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
@@ -26,9 +25,4 @@ def run_grpo(cfg: Config, model_path: str | None = None) -> Path:
                             reward_weights=[r.weight for r in cfg.grpo.rewards])
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                           processing_class=inputs.processor)
-    log.info("GRPO on %d rows from %s (resume: %s)", len(train_dataset), inputs.model_path, resume)
-    trainer.train(resume_from_checkpoint=resume)
-    final = inputs.stage_dir / "final"
-    trainer.save_model(str(final))
-    inputs.processor.save_pretrained(str(final))
-    return final
+    return train_and_save(trainer, inputs, "GRPO", len(train_dataset))

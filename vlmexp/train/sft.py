@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmexp.config import Config
-from vlmexp.train.common import last_checkpoint, load_model, log, prepare_stage, report_to
+from vlmexp.train.common import load_model, prepare_stage, report_to, train_and_save
 
 
 def run_sft(cfg: Config) -> Path:
@@ -16,15 +16,9 @@ def run_sft(cfg: Config) -> Path:
     from vlmexp.trl_args import build_trl_config
 
     inputs = prepare_stage(cfg, "sft")
-    resume = last_checkpoint(inputs.stage_dir)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft")
     model = load_model(cfg, inputs.model_path, inputs.family)
     args = build_trl_config("sft", cfg.sft.args, str(inputs.stage_dir), seed=cfg.run.seed,
                             report_to=report_to(cfg), run_name=f"{cfg.run.name}-sft")
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, processing_class=inputs.processor)
-    log.info("SFT on %d rows from %s (resume: %s)", len(train_dataset), inputs.model_path, resume)
-    trainer.train(resume_from_checkpoint=resume)
-    final = inputs.stage_dir / "final"
-    trainer.save_model(str(final))
-    inputs.processor.save_pretrained(str(final))
-    return final
+    return train_and_save(trainer, inputs, "SFT", len(train_dataset))
