@@ -66,13 +66,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """One training stage in this process (what a launcher starts)."""
+    """One training stage: through the configured launcher, or in this process (what the launcher starts)."""
     import logging
+    import shlex
+    import subprocess
 
     from vlmexp.config_loader import load_config
+    from vlmexp.launch import is_launched_process, stage_command
 
+    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
+    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name)
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
+        print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)
+        return subprocess.call(command)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides, check_paths=True)
     if args.stage == "sft":
         from vlmexp.train.sft import run_sft
 
@@ -128,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run one training stage (sft or grpo) in this process")
     p.add_argument("stage", choices=("sft", "grpo"))
     p.add_argument("--config", required=True)
-    p.add_argument("--model", help="start from this model folder (e.g. the SFT stage's final/)")
+    p.add_argument("--model", help="start from this model or adapter folder (e.g. the SFT stage's final/)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")
+    p.add_argument("--in-process", action="store_true",
+                   help="train in this process, ignoring launch.launcher (each launched process gets it)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_train)
 

@@ -189,9 +189,40 @@ class DataConfig(Section):
         return self
 
 
+LM_LORA_TARGETS = r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"
+
+
+class PeftConfig(Section):
+    """LoRA on the language model (QLoRA: the base loaded in 4 bits, CUDA + bitsandbytes only)."""
+
+    method: Literal["lora", "qlora"] = "lora"
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: str | list[str] = Field(
+        LM_LORA_TARGETS, description="Regex (full match) or module names. The default keeps LoRA off the "
+                                     "vision tower, whose MLP shares the language model's layer names.")
+    modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved.")
+
+
 class StageConfig(Section):
     enabled: bool = True
     args: dict[str, Any] = Field(default_factory=dict, description="Passed through to TRL's config class.")
+    peft: PeftConfig | None = Field(None, description="LoRA/QLoRA; null = full fine-tuning.")
+    freeze_vision: bool = Field(False, description="Full fine-tuning: keep the vision tower's weights fixed.")
+    freeze_merger: bool = Field(False, description="Full fine-tuning: keep the merger/projector fixed.")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint in the stage folder.")
+
+    @model_validator(mode="after")
+    def _resumable(self) -> StageConfig:
+        if self.resume and self.args.get("save_only_model"):
+            raise ValueError("args.save_only_model: true writes checkpoints without optimizer, scheduler and RNG "
+                             "state, so a resumed run would not continue where it stopped; remove it, or set "
+                             "resume: false")
+        if self.peft is not None and (self.freeze_vision or self.freeze_merger):
+            raise ValueError("freeze_vision/freeze_merger apply to full fine-tuning; with peft only the "
+                             "adapters train already: remove them")
+        return self
 
 
 class SFTStageConfig(StageConfig):
@@ -219,6 +250,16 @@ class GRPOStageConfig(StageConfig):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="format", weight=0.5), RewardSpec(name="iou", weight=1.0)]
     )
+    sft_adapter: Literal["merge", "continue"] = Field(
+        "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
+                             "full or with a new grpo.peft), or continue training that adapter.")
+
+    @model_validator(mode="after")
+    def _adapter_mode(self) -> GRPOStageConfig:
+        if self.sft_adapter == "continue" and self.peft is not None:
+            raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove grpo.peft, "
+                             "or use sft_adapter: merge to add a new adapter on the merged model")
+        return self
 
 
 class EvalConfig(Section):
@@ -262,6 +303,12 @@ class LaunchConfig(Section):
             raise ValueError("multi-node torchrun/accelerate needs launch.rdzv_endpoint (host:port of node 0)")
         if self.launcher == "local" and (self.nproc_per_node > 1 or self.nnodes > 1):
             raise ValueError("launcher 'local' runs one process; use torchrun, accelerate or deepspeed")
+        if self.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", self.rdzv_endpoint):
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} must be host:port, e.g. 10.0.0.1:29500")
+        if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
+            raise ValueError("multi-node deepspeed needs launch.hostfile (lines of 'host slots=N')")
+        if self.accelerate_config and self.launcher != "accelerate":
+            raise ValueError(f"launch.accelerate_config is read by accelerate only; launcher is {self.launcher!r}")
         return self
 
 

@@ -218,7 +218,7 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, is_main_process=True)  # whatever rank builds it (under a launcher) writes it
         processor.save_pretrained(tmp)
         image_processor.save_pretrained(tmp)  # preprocessor_config.json, as real checkpoints ship
         (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **asdict(spec)}, indent=2))

@@ -17,6 +17,7 @@ RESERVED = {
     "output_dir": "set run.output_dir instead",
     "report_to": "set tracking.backend instead (mlflow or none)",
     "deepspeed": "set launch.deepspeed instead",
+    "trust_remote_code": "set model.trust_remote_code instead",
 }
 
 

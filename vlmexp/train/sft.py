@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.train.common import load_model, prepare_stage, report_to, train_and_save
+from vlmexp.train.common import load_model, prepare_stage, train_and_save, trl_args
 
 
-def run_sft(cfg: Config) -> Path:
-    """Train with trl.SFTTrainer; return the folder holding the final model and processor."""
+def run_sft(cfg: Config, callbacks: Sequence[Any] = ()) -> Path:
+    """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
     from trl import SFTTrainer
 
     from vlmexp.train.data import build_dataset
-    from vlmexp.trl_args import build_trl_config
 
     inputs = prepare_stage(cfg, "sft")
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft")
-    model = load_model(cfg, inputs.model_path, inputs.family)
-    args = build_trl_config("sft", cfg.sft.args, str(inputs.stage_dir), seed=cfg.run.seed,
-                            report_to=report_to(cfg), run_name=f"{cfg.run.name}-sft")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, processing_class=inputs.processor)
-    return train_and_save(trainer, inputs, "SFT", len(train_dataset))
+    model, peft_config = load_model(inputs)
+    trainer = SFTTrainer(model=model, args=trl_args(inputs), train_dataset=train_dataset,
+                         processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
+    return train_and_save(trainer, inputs, len(train_dataset))

@@ -1,0 +1,67 @@
+"""The `launch:` section turned into the command that starts a training stage.
+
+`local` runs one process; `torchrun` and `accelerate` start `nproc_per_node` processes on each of `nnodes`
+machines (run the same command on every node with its own `launch.node_rank`); `deepspeed` reads a
+hostfile and starts every node from node 0 over ssh (pdsh). Whatever the launcher, each process runs
+`python -m vlmexp.cli train STAGE --config C --in-process`, and the DeepSpeed JSON reaches the Trainer
+through `TrainingArguments.deepspeed` (so the same file works with every launcher).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from vlmexp.config import LaunchConfig
+
+
+def _tool(name: str) -> str:
+    """The launcher next to this Python (the venv's), else whatever PATH finds, else the bare name."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: str | None = None,
+                  overrides: Sequence[str] = (), run_id: str = "vlmexp") -> list[str]:
+    """The argv that runs `stage` with `config` under `launch`."""
+    inner = ["vlmexp.cli", "train", stage, "--config", str(config), "--in-process",
+             *(["--model", str(model)] if model else []), *overrides]
+    n, nodes = launch.nproc_per_node, launch.nnodes
+    if launch.launcher == "local":
+        return [sys.executable, "-m", *inner]
+    if launch.launcher == "torchrun":
+        cmd = [_tool("torchrun"), f"--nproc_per_node={n}", f"--nnodes={nodes}"]
+        if nodes > 1:
+            cmd += [f"--node_rank={launch.node_rank}", "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={run_id}"]
+        else:
+            cmd += ["--standalone"]
+        return [*cmd, "-m", *inner]
+    if launch.launcher == "accelerate":
+        cmd = [_tool("accelerate"), "launch"]
+        if launch.accelerate_config:
+            cmd += ["--config_file", launch.accelerate_config]
+        cmd += [f"--num_processes={n * nodes}", f"--num_machines={nodes}"]
+        if n * nodes > 1 and not launch.accelerate_config:
+            cmd += ["--multi_gpu"]
+        if nodes > 1:
+            host, _, port = launch.rdzv_endpoint.rpartition(":")
+            cmd += [f"--machine_rank={launch.node_rank}", f"--main_process_ip={host}", f"--main_process_port={port}"]
+        return [*cmd, "-m", *inner]
+    # deepspeed
+    cmd = [_tool("deepspeed")]
+    if launch.hostfile:
+        cmd += [f"--hostfile={launch.hostfile}", f"--num_nodes={nodes}"]
+    if launch.rdzv_endpoint:
+        host, _, port = launch.rdzv_endpoint.rpartition(":")
+        cmd += [f"--master_addr={host}", f"--master_port={port}"]
+    return [*cmd, f"--num_gpus={n}", "--module", *inner]
+
+
+def is_launched_process() -> bool:
+    """True inside a process a distributed launcher started (it sets these for every rank)."""
+    import os
+
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
