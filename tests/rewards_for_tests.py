@@ -7,3 +7,16 @@ from vlmexp.rewards import completion_text
 def char_variety(prompts, completions, **kwargs):
     """Distinct characters in the completion, scaled to about [0, 1]."""
     return [len(set(completion_text(c))) / 20 for c in completions]
+
+
+def fail_once(prompts=None, completions=(), **kwargs):
+    """Raises on its second call in the first process that finds no marker file (a stage that fails once)."""
+    import os
+    from pathlib import Path
+
+    marker = Path(os.environ["VLMEXP_TEST_FAIL_MARKER"])
+    fail_once.calls = getattr(fail_once, "calls", 0) + 1
+    if fail_once.calls == 2 and not marker.exists():
+        marker.write_text("failed once\n")
+        raise RuntimeError("planted failure")
+    return [0.0 for _ in completions]

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlmexp.errors import VlmexpError
+from vlmexp.errors import Problem, VlmexpError
 
 FAMILY_NAMES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
@@ -49,19 +49,50 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Validate, resolve the model (building a tiny one if asked), and sample the data."""
-    from vlmexp.config_loader import dump_config, load_config
+    """The whole pipeline in this process: Prefect's temporary server, the configured MLflow store.
+
+    The one place the library's command line reaches up into flows/ (the library itself never imports
+    prefect): `vlmexp run` is a shortcut for calling the flow.
+    """
+    from flows.pipeline import vlm_pipeline
+
+    result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)
+    print(result["summary"])
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Generate on the config's held-out records with CHECKPOINT and print the metrics as JSON."""
+    import json
+
+    from vlmexp.config_loader import load_config
     from vlmexp.data.prepare import prepare_data
-    from vlmexp.models import resolve_model
+    from vlmexp.evaluate import evaluate
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
-    out = Path(cfg.run.output_dir)
-    dump_config(cfg, out / "config.resolved.yaml")
-    model_path, family = resolve_model(cfg.model, out)
-    print(f"model: {model_path} ({family.name})")
-    data = prepare_data(cfg)
-    print(f"data: train {data.train}" + (f", val {data.val}" if data.val else "") +
-          f" (manifest hash {data.manifest_sha256[:12]})")
+    records = args.records or prepare_data(cfg).val
+    if records is None:
+        raise VlmexpError([Problem(args.config, "data.val_datasets", "no held-out records: set data.val_datasets, "
+                                   "data.val_data_yaml or data.val_fraction, or pass --records FILE.jsonl")])
+    out = args.out or str(Path(cfg.run.output_dir) / "eval" / Path(args.checkpoint).name)
+    result = evaluate(cfg, args.checkpoint, records, out)
+    print(json.dumps(result.metrics, indent=2))
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """The MLflow UI for a run's store, bound to 127.0.0.1, in its low-memory form."""
+    import os
+
+    from vlmexp.config_loader import load_config
+    from vlmexp.tracking import store_uri
+
+    uri = store_uri(load_config(args.config, [], check_paths=False, check_trl=False)) if args.config else args.store
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
+               "--port", str(args.port), "--workers", "1"]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # 2 processes, ~0.5 GB instead of ~9
+    print(f"MLflow UI for {uri} on http://{args.host}:{args.port}", flush=True)
+    os.execve(sys.executable, command, env)
     return 0
 
 
@@ -130,10 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("run", help="run the pipeline for a config")
+    p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--force", action="store_true", help="retrain even when config and data are unchanged")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="evaluate a model folder (or LoRA adapter) on the held-out records")
+    p.add_argument("checkpoint")
+    p.add_argument("--config", required=True)
+    p.add_argument("--records", help="sampled JSONL to evaluate on (default: the config's held-out split)")
+    p.add_argument("--out", help="folder for metrics.json and samples.jsonl")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a config's tracking store")
+    p.add_argument("--config", help="the config whose store to show (default store: --store)")
+    p.add_argument("--store", default="sqlite:///outputs/demo/mlflow.db")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.set_defaults(func=cmd_ui)
 
     p = sub.add_parser("train", help="run one training stage (sft or grpo) in this process")
     p.add_argument("stage", choices=("sft", "grpo"))

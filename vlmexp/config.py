@@ -280,9 +280,22 @@ class ExportConfig(Section):
 
 class TrackingConfig(Section):
     backend: Literal["mlflow", "none"] = "mlflow"
-    tracking_uri: str | None = Field(None, description="Default sqlite:///<output root>/mlflow.db; "
+    tracking_uri: str | None = Field(None, description="Default sqlite:///<run.output_dir>/mlflow.db; "
                                                         "MLFLOW_TRACKING_URI wins.")
     experiment_name: str | None = Field(None, description="Default: run.name.")
+    artifact_location: str | None = Field(None, description="Where a new experiment keeps artifacts. "
+                                                             "Default: <run.output_dir>/mlartifacts.")
+    completions_every: int = Field(10, ge=0, description="Log a table of sample GRPO completions with their "
+                                                         "rewards every N steps (0 = never).")
+    completions_per_table: PositiveInt = Field(8, description="Completions per table.")
+
+
+class PipelineConfig(Section):
+    """How the Prefect flow runs the stages."""
+
+    retries: int = Field(1, ge=0, description="Retries per task; a retried training stage resumes from its "
+                                              "last checkpoint.")
+    retry_delay_seconds: float = Field(10, ge=0)
 
 
 class LaunchConfig(Section):
@@ -322,3 +335,4 @@ class Config(Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)

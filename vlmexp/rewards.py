@@ -264,6 +264,7 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
 
     def __init__(self, fn: Callable[..., list[Score]], name: str):
         self.fn, self.__name__ = fn, name
+        self.observer: Callable[..., None] | None = None  # sees (name, prompts, completions, scores) of each call
 
     @property
     def failures(self) -> Counter:
@@ -271,7 +272,7 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
 
     def __call__(self, prompts=None, completions=(), **kwargs):
         try:
-            return self.fn(prompts=prompts, completions=completions, **kwargs)
+            scores = self.fn(prompts=prompts, completions=completions, **kwargs)
         except Exception as batch_error:
             for i in range(len(completions)):  # find the first sample that raises, to name it
                 one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(completions) else v
@@ -283,3 +284,6 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                     raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on sample "
                                       f"{i} (completion {text!r}, solution {one.get('solution')!r})") from e
             raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} on the batch") from batch_error
+        if self.observer is not None:
+            self.observer(self.__name__, prompts, completions, scores, kwargs)
+        return scores

@@ -43,3 +43,39 @@ class StopAtStep(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class CompletionTable(TrainerCallback):
+    """Every `every` steps, log a table of sample completions with each reward's score to the MLflow run
+    the Trainer reports to (TRL sends none to MLflow). Sees the scores through the rewards' observer hook."""
+
+    def __init__(self, rewards: Sequence[Any], every: int, rows: int):
+        self.every, self.rows, self.names = every, rows, [r.__name__ for r in rewards]
+        self.batch: dict[str, list] = {}
+        for reward in rewards:
+            reward.observer = self.observe
+
+    def observe(self, name, prompts, completions, scores, columns) -> None:
+        from vlmexp.rewards import completion_text
+
+        if name == self.names[0]:  # TRL calls the rewards in order on one batch
+            n = min(self.rows, len(completions))
+            self.batch = {
+                "image": list(columns.get("image_path", [""] * n))[:n],
+                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in (prompts or [""] * n)][:n],
+                "completion": [completion_text(c) for c in completions[:n]],
+                "solution": list(columns.get("solution", [""] * n))[:n],
+            }
+        self.batch[f"reward/{name}"] = list(scores[: len(self.batch.get("completion", []))])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.every or state.global_step % self.every or not state.is_world_process_zero or not self.batch:
+            return
+        import mlflow
+
+        if mlflow.active_run() is None:
+            return
+        import pandas as pd
+
+        table = pd.DataFrame({"step": state.global_step, **self.batch})
+        mlflow.log_table(table, artifact_file=f"completions/step_{state.global_step:06d}.json")

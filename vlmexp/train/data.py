@@ -39,7 +39,7 @@ def target_text(record: dict[str, Any], family: Family, budget) -> str:
     return f"<think>Solve it.</think><answer>{example.solution}</answer>"
 
 
-def _images(record: dict[str, Any]) -> list:
+def load_images(record: dict[str, Any]) -> list:
     from PIL import Image
 
     out = []
@@ -55,12 +55,13 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
 
     rows = []
     for record in read_jsonl(path):
-        row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": _images(record)}
+        row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record)}
         if stage == "sft":
             row["completion"] = [{"role": "assistant", "content": target_text(record, family, budget)}]
         else:
             example = parse_record(record, record["record_format"], record["task"])
             solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
-            row.update(solution=solution, task=example.task, image_sizes=record["image_sizes"])
+            row.update(solution=solution, task=example.task, image_sizes=record["image_sizes"],
+                       image_path=record["image_paths"][0] if record["image_paths"] else "")
         rows.append(row)
     return Dataset.from_list(rows)

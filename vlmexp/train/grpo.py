@@ -15,7 +15,7 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
     from trl import GRPOTrainer
 
     from vlmexp.rewards import build_reward
-    from vlmexp.train.callbacks import RewardFailureMetrics
+    from vlmexp.train.callbacks import CompletionTable, RewardFailureMetrics
     from vlmexp.train.data import build_dataset
 
     inputs = prepare_stage(cfg, "grpo", model_path)
@@ -25,5 +25,6 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards])
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                           processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
-    with_callbacks(trainer, first=[RewardFailureMetrics(rewards)])
+    with_callbacks(trainer, first=[RewardFailureMetrics(rewards)],
+                   last=[CompletionTable(rewards, cfg.tracking.completions_every, cfg.tracking.completions_per_table)])
     return train_and_save(trainer, inputs, len(train_dataset))

@@ -1,0 +1,100 @@
+"""The vlm-pipeline flow: validate -> sample data -> SFT -> GRPO -> evaluate -> export.
+
+Stages switch off in the config (`sft.enabled`, ...). Training, evaluation and export are cached by what
+they depend on, so a re-run with the same config and data skips them (`force=True` recomputes), and a
+retried training task resumes from its last checkpoint. Run it with `vlmexp run CONFIG [k=v ...]`, or
+from a deployment: `prefect deployment run 'vlm-pipeline/manual' --param config=configs/demo.yaml`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from tasks.stages import (
+    evaluate_model,
+    export_model,
+    log_evaluation,
+    sample_data,
+    start_tracking,
+    summarise,
+    train_stage,
+    validate_config,
+)
+
+
+def _cached(task, output: str, force: bool, retries: int, delay: float, **params: Any) -> dict[str, Any]:
+    """Run `task` with the config's retries; a cached result whose files were deleted is recomputed."""
+    runner = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=force or None)
+    result = runner(**params)
+    path = result[output] if isinstance(result, dict) else result
+    if not Path(path).exists():
+        result = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=True)(**params)
+    return result
+
+
+@flow(name="vlm-pipeline", log_prints=True)
+def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> dict[str, Any]:
+    from vlmexp.pipeline import load_resolved, stage_key
+    from vlmexp.tracking import git_commit
+
+    resolved = validate_config(config, overrides or [])
+    cfg = load_resolved(resolved)
+    retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}
+
+    data = sample_data.with_options(retries=cfg.pipeline.retries)(resolved)
+    parent = start_tracking(resolved, data["hash"], str(flow_run.id or ""))
+    summary = [f"# {cfg.run.name}", "", f"config `{config}`, data manifest `{data['hash'][:12]}`", "",
+               "| stage | status | seconds | output |", "|---|---|---|---|"]
+
+    model, upstream, candidates = data["base_model"], "", [("base", data["base_model"], "")]
+    stage_runs: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    for stage in ("sft", "grpo"):
+        if not getattr(cfg, stage).enabled:
+            summary.append(f"| {stage} | disabled | | |")
+            continue
+        key = stage_key(cfg, stage, data["hash"], upstream)
+        trained = _cached(train_stage, "final", stage=stage, resolved=resolved, key=key,
+                          model=None if stage == "sft" or model == data["base_model"] else model,
+                          parent_run_id=parent, **retry)
+        status = ("trained" if trained["flow_run_id"] == str(flow_run.id) else
+                  f"skipped: inputs unchanged since flow run {trained['flow_run_id'][:8]}")
+        summary.append(f"| {stage} | {status} | {trained['seconds']:.1f} | `{trained['final']}` |")
+        tags[f"stage.{stage}"] = status.split(":")[0]
+        stage_runs[stage] = trained["run_id"]
+        model, upstream = trained["final"], trained["key"]
+        candidates.append((stage, model, upstream))
+
+    table = []
+    if cfg.eval.enabled and data["val"]:
+        results = [_cached(evaluate_model, "samples", name=name, resolved=resolved,
+                           key=stage_key(cfg, "eval", data["hash"], f"{name}:{ukey}:{path}"),
+                           model=path, records=data["val"], parent_run_id=parent, **retry)
+                   for name, path, ukey in candidates]
+        table = log_evaluation(resolved, results, parent)
+        summary += ["", "## Evaluation", "", _markdown_table(table)]
+
+    exported = None
+    if cfg.export.enabled and len(candidates) > 1:
+        exported = _cached(export_model, "manifest", resolved=resolved, key=stage_key(cfg, "export", data["hash"], upstream),
+                           model=model, parent_run_id=parent, **retry,
+                           provenance={"stage_key": upstream, "data_manifest_sha256": data["hash"],
+                                       "git_commit": git_commit(), "mlflow_parent_run_id": parent,
+                                       "mlflow_stage_run_ids": stage_runs, "evaluation": table})
+        summary += ["", f"Exported: `{exported}`"]
+    text = summarise(resolved, parent, summary, tags)
+    return {"resolved": resolved, "model": model, "evaluation": table, "export": exported, "mlflow_run_id": parent,
+            "summary": text}
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""Thin Prefect tasks over library calls. They pass paths, keys and run ids, never models.
+
+Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.stage_key`:
+the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
+re-running the flow with the same config and data skips them; `force` recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+
+def _key(prefix: str):
+    def cache_key(context, parameters: dict[str, Any]) -> str:
+        return f"vlmexp-{prefix}-{parameters['key']}"
+
+    return cache_key
+
+
+@task(name="validate-config", cache_policy=NO_CACHE)
+def validate_config(config: str, overrides: list[str]) -> str:
+    """Check the config (all problems at once) and write the resolved copy every later step reads."""
+    from vlmexp.pipeline import resolve_config
+
+    cfg, resolved = resolve_config(config, overrides)
+    get_run_logger().info("config %s ok; resolved to %s", config, resolved)
+    return str(resolved)
+
+
+@task(name="sample-data", cache_policy=NO_CACHE)
+def sample_data(resolved: str) -> dict[str, str | None]:
+    """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash."""
+    from vlmexp.data.prepare import prepare_data
+    from vlmexp.models import resolve_model
+    from vlmexp.pipeline import load_resolved
+
+    cfg = load_resolved(resolved)
+    model_path, _ = resolve_model(cfg.model, cfg.run.output_dir)  # builds a tiny model once
+    data = prepare_data(cfg)
+    get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
+    return {"train": str(data.train), "val": str(data.val) if data.val else None, "hash": data.manifest_sha256,
+            "base_model": model_path}
+
+
+@task(name="start-tracking", cache_policy=NO_CACHE)
+def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
+    """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
+    from vlmexp.pipeline import load_resolved
+    from vlmexp.tracking import flatten, make_tracker, run_tags
+
+    cfg = load_resolved(resolved)
+    tracker = make_tracker(cfg)
+    parent = tracker.start_pipeline(
+        f"{cfg.run.name}-pipeline", flatten(cfg.model_dump(mode="json"), "config."),
+        run_tags({"prefect.flow_run_id": flow_run_id, "data.manifest_sha256": data_hash}))
+    tracker.log_artifact(parent, resolved)
+    for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
+        tracker.log_artifact(parent, manifest, "data")
+    return parent
+
+
+@task(name="train-stage", cache_key_fn=_key("train"), persist_result=True)
+def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
+                force: bool = False) -> dict[str, Any]:
+    """Run one training stage through the configured launcher as a subprocess, streaming its output.
+
+    The stage folder belongs to `key`: a retry (same key) resumes from the newest checkpoint, new inputs
+    archive the old folder first. The subprocess logs TRL's step metrics into this stage's MLflow child run.
+    """
+    from vlmexp.launch import stage_command
+    from vlmexp.pipeline import claim_stage_dir, load_resolved, run_streaming, safe_env
+    from vlmexp.tracking import curve_keys, make_tracker, plot_curves
+
+    logger = get_run_logger()
+    cfg = load_resolved(resolved)
+    stage_dir = Path(cfg.run.output_dir) / stage
+    resuming = not force and stage_dir.is_dir() and (stage_dir / "stage_key.json").is_file()
+    claim_stage_dir(stage_dir, key, fresh=force)
+    tracker = make_tracker(cfg)
+    run_file = stage_dir / "mlflow_run_id"
+    run_id = run_file.read_text().strip() if resuming and run_file.is_file() else ""
+    if not run_id:
+        run_id = tracker.start_stage(parent_run_id, stage, {"stage_key": key})
+        run_file.write_text(run_id + "\n")
+    command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}")
+    logger.info("running %s", " ".join(command))
+    start = time.monotonic()
+    try:
+        run_streaming(command, safe_env(tracker.subprocess_env(run_id)), logger.info)
+    except BaseException:
+        tracker.end(run_id, "FAILED")
+        raise
+    seconds = time.monotonic() - start
+    png = plot_curves(tracker, run_id, curve_keys(tracker, run_id, stage), stage_dir / "curves.png",
+                      f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
+    if png:
+        tracker.log_artifact(run_id, png, "plots")
+    tracker.log_metrics(run_id, {"stage_seconds": seconds})
+    tracker.end(run_id, "FINISHED")
+    return {"stage": stage, "final": str(stage_dir / "final"), "key": key, "run_id": run_id, "seconds": seconds,
+            "flow_run_id": str(flow_run.id)}
+
+
+@task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True)
+def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> dict[str, Any]:
+    """Generate on the held-out records with `model` and score with the training rewards."""
+    from vlmexp.evaluate import evaluate
+    from vlmexp.pipeline import load_resolved
+
+    cfg = load_resolved(resolved)
+    start = time.monotonic()
+    result = evaluate(cfg, model, records, Path(cfg.run.output_dir) / "eval" / name)
+    get_run_logger().info("%s: %s", name, result.metrics)
+    return {"name": name, "model": model, "metrics": result.metrics, "samples": str(result.samples_path),
+            "key": key, "seconds": time.monotonic() - start}
+
+
+@task(name="log-evaluation", cache_policy=NO_CACHE)
+def log_evaluation(resolved: str, results: list[dict[str, Any]], parent_run_id: str) -> list[dict[str, Any]]:
+    """One MLflow child run for evaluation: metrics per model, the comparison table, per-sample tables;
+    the comparison as a Prefect table artifact too."""
+    import json
+
+    from prefect.artifacts import create_table_artifact
+
+    from vlmexp.evaluate import METRIC_KEYS
+    from vlmexp.pipeline import load_resolved
+    from vlmexp.tracking import make_tracker
+
+    cfg = load_resolved(resolved)
+    tracker = make_tracker(cfg)
+    table = [{"model": r["name"], **{k: round(r["metrics"][k], 4) for k in METRIC_KEYS if k in r["metrics"]}}
+             for r in results]
+    run_id = tracker.start_stage(parent_run_id, "eval")
+    for r in results:
+        tracker.log_metrics(run_id, {f"{r['name']}/{k}": v for k, v in r["metrics"].items()})
+        rows = [json.loads(line) for line in Path(r["samples"]).read_text().splitlines()]
+        tracker.log_table(run_id, [{"model": r["name"], **row} for row in rows], f"evaluation/{r['name']}_samples.json")
+    tracker.log_table(run_id, table, "evaluation/comparison.json")
+    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.end(run_id)
+    create_table_artifact(table, key=f"{cfg.run.name.lower().replace('_', '-').replace('.', '-')}-evaluation",
+                          description="Evaluation on the held-out records, one row per model")
+    return table
+
+
+@task(name="export", cache_key_fn=_key("export"), persist_result=True)
+def export_model(resolved: str, key: str, model: str, parent_run_id: str, provenance: dict[str, Any]) -> str:
+    """Merge (if LoRA), save a self-contained folder with manifest.json, and log it to the parent run."""
+    from vlmexp.export import export_model as export
+    from vlmexp.pipeline import load_resolved
+    from vlmexp.tracking import make_tracker
+
+    cfg = load_resolved(resolved)
+    out = export(cfg, model, Path(cfg.run.output_dir) / "export", provenance)
+    make_tracker(cfg).log_artifact(parent_run_id, out / "manifest.json", "export")
+    return str(out)
+
+
+@task(name="summarise", cache_policy=NO_CACHE)
+def summarise(resolved: str, parent_run_id: str, lines: list[str], tags: dict[str, str],
+              status: str = "FINISHED") -> str:
+    """The run's markdown summary as a Prefect artifact and an MLflow artifact; closes the parent run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from vlmexp.pipeline import load_resolved
+    from vlmexp.tracking import make_tracker
+
+    cfg = load_resolved(resolved)
+    tracker = make_tracker(cfg)
+    text = "\n".join(lines) + "\n"
+    if tracker.enabled:
+        text += f"\nMLflow: `{tracker.run_link(parent_run_id)}` (browse: `vlmexp ui --store {tracker.uri}`)\n"
+    create_markdown_artifact(text, key=f"{cfg.run.name.lower().replace('_', '-').replace('.', '-')}-summary",
+                             description="vlm-pipeline summary")
+    tracker.log_text(parent_run_id, text, "summary.md")
+    tracker.set_tags(parent_run_id, tags)
+    tracker.end(parent_run_id, status)
+    return text

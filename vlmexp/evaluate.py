@@ -1,0 +1,134 @@
+"""Evaluation: generate on held-out records and score with the same reward objects that train.
+
+`score_records` is the one scoring path: `vlmexp eval` (generate, then score) and offline scoring of
+completions produced elsewhere both end there, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmexp.config import Config
+
+log = logging.getLogger("vlmexp.eval")
+METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
+
+
+def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str], frame: str,
+                  budget: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """(metrics, per-sample rows) for sampled records and their completions. Metrics exist only for the
+    tasks present in the records; unparsable answers score 0."""
+    from vlmexp.data.formats import parse_record
+    from vlmexp.rewards import REGISTRY, extract_answer
+
+    fmt, iou = REGISTRY["format"](), REGISTRY["iou"](frame=frame, budget=budget)
+    by_task = {"math": REGISTRY["math"](), "exact": REGISTRY["exact"]()}
+    rows, per_task = [], {"rec": [], "math": [], "exact": []}
+    fmt_scores = []
+    for record, text in zip(records, completions, strict=True):
+        example = parse_record(record, record["record_format"], record["task"])
+        solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
+        f = fmt.score(text)
+        if example.task == "rec":
+            score = iou.score(text, solution=solution, image_sizes=record["image_sizes"])
+        else:
+            score = by_task[example.task].score(text, solution=solution)
+        fmt_scores.append(f)
+        per_task[example.task].append(score)
+        rows.append({"image": (record.get("image_paths") or [""])[0], "task": example.task,
+                     "problem": example.problem, "solution": solution, "completion": text,
+                     "answer": extract_answer(text), "format": f, "score": score})
+    metrics: dict[str, float] = {"count": float(len(rows))}
+    if rows:
+        metrics["format_rate"] = sum(fmt_scores) / len(rows)
+    if per_task["rec"]:
+        ious = per_task["rec"]
+        metrics.update(rec_mean_iou=sum(ious) / len(ious), rec_acc50=sum(v >= 0.5 for v in ious) / len(ious),
+                       rec_acc75=sum(v >= 0.75 for v in ious) / len(ious))
+    for task in ("math", "exact"):
+        if per_task[task]:
+            metrics[f"{task}_accuracy"] = sum(per_task[task]) / len(per_task[task])
+    return metrics, rows
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    metrics_path: Path
+    samples_path: Path
+
+
+def generate(model, processor, prompts: list[list[dict]], images: list[list], max_new_tokens: int,
+             temperature: float, batch_size: int) -> list[str]:
+    """Completions for chat prompts with their images, batched with left padding."""
+    import torch
+
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        batch_prompts, batch_images = prompts[start:start + batch_size], images[start:start + batch_size]
+        texts = []
+        for messages, imgs in zip(batch_prompts, batch_images, strict=True):
+            *head, user = messages
+            content = [{"type": "image"} for _ in imgs] + [{"type": "text", "text": user["content"]}]
+            texts.append(processor.apply_chat_template([*head, {"role": "user", "content": content}],
+                                                       tokenize=False, add_generation_prompt=True))
+        inputs = processor(text=texts, images=[im for imgs in batch_images for im in imgs] or None,
+                           padding=True, return_tensors="pt").to(model.device)
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.inference_mode():
+            generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                       **sampling)
+        new_tokens = generated[:, inputs["input_ids"].shape[1]:]
+        out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    return out
+
+
+def load_for_inference(cfg: Config, model_path: str):
+    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed)."""
+    from vlmexp.families import detect_family
+    from vlmexp.processor import load_processor
+    from vlmexp.train.common import adapter_base, load_pretrained
+
+    base = adapter_base(model_path)
+    family = detect_family(base or model_path)
+    model = load_pretrained(cfg, base or model_path, family)
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, model_path).merge_and_unload()
+    model.eval()
+    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
+                               trust_remote_code=cfg.model.trust_remote_code)
+    return model, processor, family
+
+
+def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: str | Path) -> EvalResult:
+    """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
+    from transformers import set_seed
+
+    from vlmexp.data.sample import atomic_write
+    from vlmexp.processor import pixel_budget
+    from vlmexp.train.data import build_prompt, load_images, read_jsonl
+
+    set_seed(cfg.run.seed)
+    records = read_jsonl(records_path)
+    if cfg.eval.max_samples:
+        records = records[: cfg.eval.max_samples]
+    model, processor, family = load_for_inference(cfg, model_path)
+    prompts = [build_prompt(r, cfg.data, family) for r in records]
+    completions = generate(model, processor, prompts, [load_images(r) for r in records], cfg.eval.max_new_tokens,
+                           cfg.eval.temperature, cfg.eval.batch_size)
+    metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write(out / "metrics.json", json.dumps({"model": model_path, **metrics}, indent=2) + "\n")
+    log.info("evaluated %s on %d records: %s", model_path, len(rows), metrics)
+    return EvalResult(metrics, out / "metrics.json", out / "samples.jsonl")

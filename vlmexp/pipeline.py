@@ -1,0 +1,103 @@
+"""The pipeline's steps as plain functions (no Prefect here): resolving the config, keys that decide
+whether a stage must run again, stage folders, and running a stage's launch command as a subprocess."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from vlmexp.config import Config
+
+RESOLVED_NAME = "config.resolved.yaml"
+KEY_FILE = "stage_key.json"
+
+
+class StageFailed(RuntimeError):
+    """A stage's process exited non-zero; the message has the exit code and its last output lines."""
+
+
+def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
+    """Load and validate (all problems at once); write <output_dir>/config.resolved.yaml."""
+    from vlmexp.config_loader import dump_config, load_config
+
+    cfg = load_config(config, overrides, check_paths=True)
+    return cfg, dump_config(cfg, Path(cfg.run.output_dir) / RESOLVED_NAME)
+
+
+def load_resolved(resolved: str | Path) -> Config:
+    from vlmexp.config_loader import load_config
+
+    return load_config(resolved, [], check_paths=False, check_trl=False)
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stage_key(cfg: Config, stage: str, data_hash: str, upstream: str = "") -> str:
+    """What a stage's result depends on: the output folder, the model, the data settings and the sampled
+    data, the seed, the stage's own section (sft, grpo, eval or export), the DeepSpeed config, and the
+    upstream stage's key. Tracking, retries and the launcher's process layout do not count."""
+    section = getattr(cfg, stage).model_dump(mode="json")
+    return _digest(stage, str(Path(cfg.run.output_dir).resolve()), cfg.model.model_dump(mode="json"),
+                   cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash, upstream)
+
+
+def stage_done(stage_dir: Path, key: str) -> bool:
+    """The stage finished with this key: final/ exists and the recorded key matches."""
+    return (stage_dir / "final").is_dir() and read_key(stage_dir) == key
+
+
+def read_key(stage_dir: Path) -> str | None:
+    try:
+        return json.loads((stage_dir / KEY_FILE).read_text())["key"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
+    """Make `stage_dir` belong to `key`. A folder left by another key (other config or data), or any
+    folder when `fresh`, is moved to <output_dir>/archive/ (never deleted), so a resume only ever
+    continues a run of the same inputs."""
+    previous = read_key(stage_dir)
+    if stage_dir.exists() and (fresh or previous != key) and any(stage_dir.iterdir()):
+        archive = stage_dir.parent / "archive" / f"{stage_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{(previous or 'unknown')[:8]}"
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        stage_dir.rename(archive)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / KEY_FILE).write_text(json.dumps({"key": key}) + "\n")
+    return stage_dir
+
+
+def safe_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment plus `extra`, for a stage subprocess."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str], None], tail: int = 40,
+                  cwd: str | Path | None = None) -> None:
+    """Run `cmd`, passing each output line (stdout and stderr merged) to `on_line`; raise StageFailed with
+    the exit code and the last `tail` lines when it fails."""
+    last: collections.deque[str] = collections.deque(maxlen=tail)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env),
+                            cwd=cwd, bufsize=1, errors="replace")
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            for line in raw.rstrip("\n").split("\r"):  # progress bars redraw with \r
+                if line.strip():
+                    last.append(line)
+                    on_line(line)
+        rc = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if rc != 0:
+        raise StageFailed(f"{' '.join(cmd[:3])} ... exited with code {rc}; last lines:\n" + "\n".join(last))

@@ -1,0 +1,229 @@
+"""Experiment tracking: one MLflow experiment per config, a parent run per pipeline run, a child run per stage.
+
+Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
+in any thread log to the right run. A training subprocess joins its stage's child run through
+MLFLOW_RUN_ID (see `Tracker.subprocess_env`): transformers' MLflowCallback resumes that run and logs
+TRL's step metrics into it. `tracking.backend: none` gives a `NullTracker` with the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vlmexp.config import Config
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+PACKAGES = ("vlmexp", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed", "prefect",
+            "mlflow")
+
+
+def sanitize_metric_name(name: str) -> str:
+    """What MLflow accepts in a metric name: letters, digits, _ - . / : and space."""
+    return re.sub(r"[^0-9A-Za-z_\-. :/]", "_", name)
+
+
+def store_uri(cfg: Config) -> str:
+    """MLFLOW_TRACKING_URI, else tracking.tracking_uri, else a sqlite file in the run's output folder."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    return f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> strings, for MLflow params. Lists are kept as JSON."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Git commit of the code and the versions of the packages that train."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    tags = {"git_commit": git_commit()}
+    for pkg in PACKAGES:
+        try:
+            tags[f"version.{pkg}"] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    tags.update(extra or {})
+    return tags
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+class NullTracker:
+    """Tracking switched off: every call does nothing and returns empty values."""
+
+    enabled = False
+    uri = ""
+
+    def start_pipeline(self, name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
+        return ""
+
+    def start_stage(self, parent_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
+        return ""
+
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None: ...
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None: ...
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_table(self, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None: ...
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None: ...
+    def end(self, run_id: str, status: str = "FINISHED") -> None: ...
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return []
+
+    def metric_keys(self, run_id: str) -> list[str]:
+        return []
+
+    def run_link(self, run_id: str) -> str:
+        return ""
+
+    def subprocess_env(self, run_id: str) -> dict[str, str]:
+        return {}
+
+
+class MlflowTracker(NullTracker):
+    enabled = True
+
+    def __init__(self, uri: str, experiment: str, artifact_location: str):
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+                experiment, artifact_location=artifact_location)
+        except MlflowException as e:
+            raise ConnectionError(f"MLflow store {uri!r} cannot be used ({e.message.splitlines()[0]}); fix "
+                                  "tracking.tracking_uri or MLFLOW_TRACKING_URI, or set tracking.backend: none") from e
+
+    def start_pipeline(self, name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=dict(tags))
+        self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def start_stage(self, parent_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=name,
+                                     tags={"mlflow.parentRunId": parent_id, "stage": name, **(tags or {})})
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items() if not SECRET_NAME.search(k.split(".")[-1])]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(sanitize_metric_name(k), float(v), now, step or 0) for k, v in metrics.items()]
+        if items:
+            self.client.log_batch(run_id, metrics=items)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_table(self, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        import pandas as pd
+
+        self.client.log_table(run_id, pd.DataFrame(rows), artifact_file)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def end(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
+
+    def metric_keys(self, run_id: str) -> list[str]:
+        return sorted(self.client.get_run(run_id).data.metrics)
+
+    def run_link(self, run_id: str) -> str:
+        return f"{self.uri} experiment {self.experiment_id} run {run_id}"
+
+    def subprocess_env(self, run_id: str) -> dict[str, str]:
+        """What a training subprocess needs to log into `run_id` (transformers' MLflowCallback)."""
+        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+                "HF_MLFLOW_LOG_ARTIFACTS": "FALSE", "MLFLOW_FLATTEN_PARAMS": "TRUE"}
+
+
+def make_tracker(cfg: Config) -> NullTracker:
+    """The configured tracker; raises ConnectionError (with the fix) when the MLflow store is unusable."""
+    if cfg.tracking.backend == "none":
+        return NullTracker()
+    out = Path(cfg.run.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    artifacts = cfg.tracking.artifact_location or (out / "mlartifacts").as_uri()
+    return MlflowTracker(store_uri(cfg), cfg.tracking.experiment_name or cfg.run.name, artifacts)
+
+
+def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
+    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, the loss for SFT."""
+    keys = tracker.metric_keys(run_id)
+    if stage == "grpo":
+        return [k for k in keys if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))]
+    return [k for k in keys if k == "loss"]
+
+
+def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path, title: str) -> Path | None:
+    """A PNG of the metrics `keys` of `run_id` by step, or None when there is nothing to plot."""
+    if not keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = sorted(tracker.metric_history(run_id, key))
+        ax.plot([s for s, _ in points], [v for _, v in points], label=key, marker=".")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
