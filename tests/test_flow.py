@@ -1,0 +1,145 @@
+"""The vlm-pipeline flow end to end on the tiny model, under prefect_test_harness, read back from MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs/demo.yaml")
+pytestmark = pytest.mark.slow
+
+SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.args.save_steps=4",
+         "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
+         "grpo.args.per_device_train_batch_size=4", "grpo.args.max_completion_length=12",
+         "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
+         "eval.max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def prefect(tmp_path_factory):
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, str(REPO / "tests"))
+    storage = tmp_path_factory.mktemp("prefect-results")
+    with prefect_test_harness(server_startup_timeout=60), temporary_settings(
+            {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_LOCAL_STORAGE_PATH: storage}):
+        yield
+
+
+def _run(config, overrides, force=False):
+    from flows.pipeline import vlm_pipeline
+
+    state = vlm_pipeline(config=config, overrides=overrides, force=force, return_state=True)
+    assert state.is_completed(), state
+    return state.result()
+
+
+def _task_states(flow_run_id):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                               task_run_filter=TaskRunFilter())
+            return [(r.name.rsplit("-", 1)[0], r.state.name) for r in runs]
+
+    return asyncio.run(read())
+
+
+def _mlflow(out: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("demo")
+    return client, exp, {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+
+
+def _artifacts(client, run_id, path=None):
+    out = []
+    for a in client.list_artifacts(run_id, path):
+        out += _artifacts(client, run_id, a.path) if a.is_dir else [a.path]
+    return out
+
+
+def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing_changed(prefect, tmp_path):
+    out = tmp_path / "run"
+    rewards = "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]"
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards])
+
+    client, exp, runs = _mlflow(out)
+    assert exp.artifact_location == (out / "mlartifacts").as_uri()
+    parent = runs["demo-pipeline"]
+    assert set(runs) == {"demo-pipeline", "demo-sft", "demo-grpo", "eval"}
+    for name in ("demo-sft", "demo-grpo", "eval"):
+        assert runs[name].data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert runs[name].info.status == "FINISHED"
+    # the parent: flattened config params (prefixed), provenance tags, config + manifests + comparison + summary
+    assert parent.data.params["config.grpo.args.max_steps"] == "3"
+    assert parent.data.params["config.model.path"] == "tiny:qwen2_5_vl"
+    tags = parent.data.tags
+    assert tags["git_commit"] and tags["version.trl"] and tags["prefect.flow_run_id"]
+    assert len(tags["data.manifest_sha256"]) == 64 and tags["stage.grpo"] == "trained"
+    assert {"config.resolved.yaml", "data/train.manifest.json", "evaluation/comparison.json",
+            "summary.md", "export/manifest.json"} <= set(_artifacts(client, parent.info.run_id))
+    # the GRPO child: TRL's step metrics, one point per logged step, completion tables, the curve plot
+    grpo = runs["demo-grpo"].info.run_id
+    for key in ("loss", "rewards/format/mean", "rewards/iou/mean", "rewards/rewards_for_tests:char_variety/std",
+                "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean",
+                "rewards/iou/unparsable/no_answer"):
+        assert [m.step for m in client.get_metric_history(grpo, key)] == [1, 2, 3], key
+    grpo_files = set(_artifacts(client, grpo))
+    assert {"completions/step_000002.json", "plots/curves.png"} <= grpo_files
+    table = json.loads(Path(client.download_artifacts(grpo, "completions/step_000002.json", str(tmp_path))).read_text())
+    assert {"completion", "prompt", "reward/iou", "reward/rewards_for_tests:char_variety"} <= set(table["columns"])
+    assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "loss")] == [1, 2, 3, 4]
+    # evaluation: per-model metrics and tables
+    ev = runs["eval"]
+    assert {"base/rec_mean_iou", "sft/rec_mean_iou", "grpo/format_rate", "grpo/count"} <= set(ev.data.metrics)
+    assert {"evaluation/base_samples.json", "evaluation/grpo_samples.json"} <= set(_artifacts(client, ev.info.run_id))
+    assert [row["model"] for row in result["evaluation"]] == ["base", "sft", "grpo"]
+    assert (out / "export" / "model.safetensors").is_file()
+
+    states = _task_states(tags["prefect.flow_run_id"])
+    assert all(state == "Completed" for _, state in states), states
+    assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate", "export"}
+
+    again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards])
+    assert "skipped: inputs unchanged" in again["summary"]
+    rerun = _latest_parent(out)  # the rerun is its own pipeline run in MLflow, with the skip recorded
+    assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
+    states = _task_states(rerun.data.tags["prefect.flow_run_id"])
+    assert [s for name, s in states if name == "train-stage"] == ["Cached", "Cached"], states
+
+
+def _latest_parent(out):
+    client, exp, _ = _mlflow(out)
+    [run] = client.search_runs([exp.experiment_id], "tags.mlflow.runName = 'demo-pipeline'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    return run
+
+
+def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    marker = tmp_path / "failed-once"
+    monkeypatch.setenv("VLMEXP_TEST_FAIL_MARKER", str(marker))
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "eval.enabled=false",
+                         "export.enabled=false", "tracking.backend=none", "pipeline.retries=1",
+                         "grpo.rewards=[{name: 'rewards_for_tests:fail_once'}, {name: 'rewards_for_tests:char_variety'}]"])
+    assert marker.is_file()  # the first attempt failed at its second step...
+    first_checkpoint = out / "grpo" / "checkpoint-1" / "trainer_state.json"
+    assert first_checkpoint.stat().st_mtime <= marker.stat().st_mtime  # kept, not redone: the retry resumed
+    state = json.loads((out / "grpo" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3  # ...and the retry finished the stage
+    assert result["model"] == str(out / "grpo" / "final")
+    logged = [h["step"] for h in state["log_history"] if "loss" in h]
+    assert logged == [1, 2, 3]  # step 1 restored from checkpoint-1, steps 2-3 trained by the retry
