@@ -159,3 +159,13 @@ def test_qlora_is_refused_on_cpu_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match=r"sft\.peft\.method = 'qlora'.*CUDA GPU.*method: lora"):
         run_sft(_cfg(tmp_path / "out", "sft.peft={method: qlora}"))
     assert not (tmp_path / "out").exists()
+
+
+def test_grpo_refuses_mixed_image_sizes_in_one_generation_batch_before_training(tmp_path):
+    from vlmexp.train.grpo import run_grpo
+
+    cfg = _cfg(tmp_path, "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4")
+    with pytest.raises(ConfigError, match=r"per_device_train_batch_size = 8: .*different image sizes.*"
+                                          r"set per_device_train_batch_size to num_generations"):
+        run_grpo(cfg)
+    assert not (tmp_path / "grpo").exists()

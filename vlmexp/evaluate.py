@@ -68,6 +68,8 @@ def generate(model, processor, prompts: list[list[dict]], images: list[list], ma
     """Completions for chat prompts with their images, batched with left padding."""
     import torch
 
+    from vlmexp.train.common import vision_token_ids
+
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
     out: list[str] = []
@@ -84,7 +86,7 @@ def generate(model, processor, prompts: list[list[dict]], images: list[list], ma
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.inference_mode():
             generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                       **sampling)
+                                       suppress_tokens=vision_token_ids(processor), **sampling)
         new_tokens = generated[:, inputs["input_ids"].shape[1]:]
         out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     return out

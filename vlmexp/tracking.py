@@ -118,14 +118,15 @@ class MlflowTracker(NullTracker):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
         try:
+            self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
             self.experiment_id = found.experiment_id if found else self.client.create_experiment(
                 experiment, artifact_location=artifact_location)
-        except MlflowException as e:
-            raise ConnectionError(f"MLflow store {uri!r} cannot be used ({e.message.splitlines()[0]}); fix "
-                                  "tracking.tracking_uri or MLFLOW_TRACKING_URI, or set tracking.backend: none") from e
+        except (MlflowException, OSError) as e:
+            reason = (e.message if isinstance(e, MlflowException) else str(e)).splitlines()[0]
+            raise ConnectionError(f"MLflow store {uri!r} cannot be used ({reason}); fix tracking.tracking_uri or "
+                                  "MLFLOW_TRACKING_URI, or set tracking.backend: none") from e
 
     def start_pipeline(self, name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=dict(tags))

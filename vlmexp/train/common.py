@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,14 +72,24 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None) -> Sta
     set_seed(cfg.run.seed)
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with FileLock(out / ".prepare.lock"):  # every rank of a launch gets here; one builds, the others reuse
-        if model_path is None:
-            model_path, family = resolve_model(cfg.model, out)
-        else:
-            family = detect_family(adapter_base(model_path) or model_path)
-        train_path = out / "data" / "train.jsonl"
-        if not train_path.is_file():
-            train_path = prepare_data(cfg).train
+    # Every rank of a launch gets here: local rank 0 builds (tiny model, sampled data), the others wait for
+    # it, since a non-zero rank's save_pretrained may skip the weights once torch.distributed is up.
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    train_path, ready = out / "data" / "train.jsonl", out / ".prepared"
+    for _ in range(3600):
+        with FileLock(out / ".prepare.lock"):
+            if first or (ready.is_file() and train_path.is_file()):
+                if model_path is None:
+                    model_path, family = resolve_model(cfg.model, out)
+                else:
+                    family = detect_family(adapter_base(model_path) or model_path)
+                if not train_path.is_file():
+                    train_path = prepare_data(cfg).train
+                ready.touch()
+                break
+        time.sleep(1)
+    else:
+        raise TimeoutError(f"local rank 0 did not prepare {out} within an hour")
     if Path(model_path).is_dir():  # absolute, so adapters saved from it name a base that loads from anywhere
         model_path = str(Path(model_path).resolve())
     processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
@@ -194,6 +206,17 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
     if cfg.launch.deepspeed:
         pipeline["deepspeed"] = cfg.launch.deepspeed
     return build_trl_config(inputs.stage, inputs.stage_cfg.args, str(inputs.stage_dir), **pipeline)
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(processor) -> list[int]:
+    """Ids of the vision placeholder tokens. A completion must never contain them: Qwen-VL's rope index
+    counts them as image positions, and the policy's forward pass fails with a shape mismatch."""
+    tok = processor.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return [i for i in ids if i is not None and i != tok.unk_token_id]
 
 
 def last_checkpoint(stage_dir: Path) -> str | None:

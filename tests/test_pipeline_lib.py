@@ -1,0 +1,86 @@
+"""Library pieces the flow relies on: stage keys, stage folders, streaming subprocesses, trackers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmexp.config_loader import load_config
+from vlmexp.pipeline import StageFailed, claim_stage_dir, read_key, run_streaming, stage_done, stage_key
+from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs/demo.yaml"
+
+
+def test_stage_keys_change_with_what_the_stage_depends_on_only():
+    base = load_config(DEMO, [])
+    key = stage_key(base, "sft", "data1")
+    assert stage_key(load_config(DEMO, []), "sft", "data1") == key
+    assert stage_key(base, "sft", "data2") != key  # new data
+    for override in ("sft.args.learning_rate=0.5", "model.max_pixels=50000", "run.seed=1", "data.demo.train=10"):
+        assert stage_key(load_config(DEMO, [override]), "sft", "data1") != key, override
+    for override in ("grpo.args.beta=0.1", "tracking.backend=none", "pipeline.retries=5", "eval.batch_size=2"):
+        assert stage_key(load_config(DEMO, [override]), "sft", "data1") == key, override
+    assert stage_key(base, "grpo", "data1", upstream=key) != stage_key(base, "grpo", "data1", upstream="other")
+
+
+def test_a_stage_folder_of_other_inputs_is_archived_not_deleted(tmp_path):
+    stage = tmp_path / "sft"
+    claim_stage_dir(stage, "key-a")
+    (stage / "checkpoint-5").mkdir()
+    (stage / "final").mkdir()
+    assert stage_done(stage, "key-a") and not stage_done(stage, "key-b")
+    claim_stage_dir(stage, "key-a")  # same inputs: kept (a retry resumes from checkpoint-5)
+    assert (stage / "checkpoint-5").is_dir()
+    claim_stage_dir(stage, "key-b")
+    [archived] = (tmp_path / "archive").iterdir()
+    assert (archived / "checkpoint-5").is_dir() and read_key(archived) == "key-a"
+    assert read_key(stage) == "key-b" and not (stage / "checkpoint-5").exists()
+
+
+def test_a_failing_subprocess_reports_its_exit_code_and_last_lines():
+    lines = []
+    code = "import sys\nfor i in range(100): print('line', i)\nsys.exit(3)"
+    with pytest.raises(StageFailed, match=r"exited with code 3; last lines:\nline 60\n(.|\n)*line 99$"):
+        run_streaming([sys.executable, "-c", code], {"PATH": "/usr/bin"}, lines.append)
+    assert len(lines) == 100  # every line streamed as it came
+
+
+def test_params_are_flattened_and_metric_names_sanitised():
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}, "config.") == {
+        "config.a.b": "1", "config.a.c": "[1, 2]", "config.d": "None"}
+    assert sanitize_metric_name("rewards/m:f(x)@5/mean") == "rewards/m:f_x__5/mean"
+
+
+def test_tracking_off_is_a_null_tracker_and_an_unusable_store_fails_with_the_fix(tmp_path):
+    assert isinstance(make_tracker(load_config(DEMO, ["tracking.backend=none"])), NullTracker)
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("x")
+    cfg = load_config(DEMO, [f"run.output_dir={tmp_path}/out", f"tracking.tracking_uri=sqlite:///{blocked}/db.sqlite"])
+    with pytest.raises(ConnectionError, match="cannot be used.*tracking.backend: none"):
+        make_tracker(cfg)
+
+
+def test_secret_named_params_never_reach_mlflow(tmp_path):
+    cfg = load_config(DEMO, [f"run.output_dir={tmp_path}"])
+    tracker = make_tracker(cfg)
+    run = tracker.start_pipeline("p", {"config.model.path": "x", "env.HF_TOKEN": "hf_planted",
+                                       "config.api_key": "k"}, {})
+    params = tracker.client.get_run(run).data.params
+    assert params == {"config.model.path": "x"}
+
+
+@pytest.mark.slow
+def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "eval", str(tiny_models["qwen2_5_vl"]), "--config",
+                        str(DEMO), f"run.output_dir={tmp_path}", "data.demo.train=8", "data.demo.val=5",
+                        "eval.max_new_tokens=4"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    metrics = json.loads(r.stdout[r.stdout.index("{"):])
+    assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75"}
+    assert (tmp_path / "eval" / "qwen2_5_vl" / "samples.jsonl").read_text().count("\n") == 5
