@@ -28,7 +28,7 @@ def validate_config(config: str, overrides: list[str]) -> str:
     """Check the config (all problems at once) and write the resolved copy every later step reads."""
     from vlmexp.pipeline import resolve_config
 
-    cfg, resolved = resolve_config(config, overrides)
+    _, resolved = resolve_config(config, overrides)
     get_run_logger().info("config %s ok; resolved to %s", config, resolved)
     return str(resolved)
 
@@ -74,7 +74,7 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
     archive the old folder first. The subprocess logs TRL's step metrics into this stage's MLflow child run.
     """
     from vlmexp.launch import stage_command
-    from vlmexp.pipeline import claim_stage_dir, load_resolved, run_streaming, safe_env
+    from vlmexp.pipeline import claim_stage_dir, load_resolved, run_streaming, stage_env
     from vlmexp.tracking import curve_keys, make_tracker, plot_curves
 
     logger = get_run_logger()
@@ -92,7 +92,7 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
     logger.info("running %s", " ".join(command))
     start = time.monotonic()
     try:
-        run_streaming(command, safe_env(tracker.subprocess_env(run_id)), logger.info)
+        run_streaming(command, stage_env(tracker.subprocess_env(run_id)), logger.info)
     except BaseException:
         tracker.end(run_id, "FAILED")
         raise

@@ -75,7 +75,7 @@ def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
     return stage_dir
 
 
-def safe_env(extra: Mapping[str, str]) -> dict[str, str]:
+def stage_env(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment plus `extra`, for a stage subprocess."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 

@@ -26,14 +26,14 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
     from vlmexp.train.data import build_dataset
 
     inputs = prepare_stage(cfg, "grpo", model_path)
-    check_one_prompt_per_generation_batch(cfg, inputs.train_path)
-    train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
-    model, peft_config = load_model(inputs)
-    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
     generation = dict(cfg.grpo.args.get("generation_kwargs") or {})
     if not cfg.grpo.args.get("use_vllm"):  # HF generate: keep vision placeholders out of completions
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
+    check_one_prompt_per_generation_batch(args, inputs.train_path)
+    train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
+    model, peft_config = load_model(inputs)
+    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                           processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     with_callbacks(trainer, first=[RewardFailureMetrics(rewards)],
@@ -41,7 +41,7 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
     return train_and_save(trainer, inputs, len(train_dataset))
 
 
-def check_one_prompt_per_generation_batch(cfg: Config, train_path: Path) -> None:
+def check_one_prompt_per_generation_batch(args, train_path: Path) -> None:
     """Refuse, before any step, a layout TRL 1.16 cannot train with images of different sizes.
 
     When one generation batch holds several prompts (per_device_train_batch_size x
@@ -53,10 +53,9 @@ def check_one_prompt_per_generation_batch(cfg: Config, train_path: Path) -> None
     from vlmexp.errors import ConfigError, Problem
     from vlmexp.train.data import read_jsonl
 
-    args = cfg.grpo.args
-    per_generation = args.get("per_device_train_batch_size", 8) * args.get("gradient_accumulation_steps", 1) * \
-        args.get("steps_per_generation", 1)
-    if per_generation <= args.get("num_generations", 8):
+    # TRL resolves the generation batch per device: per_device_train_batch_size x steps_per_generation
+    per_generation = args.per_device_train_batch_size * args.steps_per_generation
+    if per_generation <= args.num_generations:
         return
     sizes = {tuple(map(tuple, r.get("image_sizes") or [])) for r in read_jsonl(train_path)}
     if len(sizes) > 1:
