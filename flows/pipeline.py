@@ -18,6 +18,7 @@ from tasks.stages import (
     evaluate_model,
     export_model,
     log_evaluation,
+    register_model,
     sample_data,
     start_tracking,
     summarise,
@@ -69,26 +70,35 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
         model, upstream = trained["final"], trained["key"]
         candidates.append((stage, model, upstream))
 
-    table = []
+    table, metrics = [], {}
     if cfg.eval.enabled and data["val"]:
         results = [_cached(evaluate_model, "samples", name=name, resolved=resolved,
                            key=stage_key(cfg, "eval", data["hash"], f"{name}:{ukey}:{path}"),
                            model=path, records=data["val"], parent_run_id=parent, **retry)
                    for name, path, ukey in candidates]
         table = log_evaluation(resolved, results, parent)
+        metrics = {r["name"]: r["metrics"] for r in results}
         summary += ["", "## Evaluation", "", _markdown_table(table)]
 
-    exported = None
+    exported, promotion = None, None
     if cfg.export.enabled and len(candidates) > 1:
-        exported = _cached(export_model, "manifest", resolved=resolved, key=stage_key(cfg, "export", data["hash"], upstream),
-                           model=model, parent_run_id=parent, **retry,
+        export_key = stage_key(cfg, "export", data["hash"], upstream)
+        exported = _cached(export_model, "manifest", resolved=resolved, key=export_key, model=model,
+                           parent_run_id=parent, **retry,
                            provenance={"stage_key": upstream, "data_manifest_sha256": data["hash"],
                                        "git_commit": git_commit(), "mlflow_parent_run_id": parent,
                                        "mlflow_stage_run_ids": stage_runs, "evaluation": table})
         summary += ["", f"Exported: `{exported}`"]
+        if cfg.tracking.backend != "none":
+            value = metrics.get(candidates[-1][0], {}).get(cfg.export.metric)
+            promotion = register_model(resolved, export_key, exported, parent, value)
+            verdict = "**promoted to `champion`**" if promotion["promoted"] else "kept, **not promoted**"
+            summary.append(f"Registered `{promotion['name']}` version {promotion['version']}: {verdict} on "
+                           f"{promotion['metric']}: {promotion['reason']}")
+            tags["export.promoted"] = str(promotion["promoted"]).lower()
     text = summarise(resolved, parent, summary, tags)
-    return {"resolved": resolved, "model": model, "evaluation": table, "export": exported, "mlflow_run_id": parent,
-            "summary": text}
+    return {"resolved": resolved, "model": model, "evaluation": table, "export": exported, "promotion": promotion,
+            "mlflow_run_id": parent, "summary": text}
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -158,9 +158,25 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
     from vlmexp.tracking import make_tracker
 
     cfg = load_resolved(resolved)
-    out = export(cfg, model, Path(cfg.run.output_dir) / "export", provenance)
+    out = export(cfg, model, Path(cfg.run.output_dir) / "export", provenance, resolved_config=resolved)
     make_tracker(cfg).log_artifact(parent_run_id, out / "manifest.json", "export")
     return str(out)
+
+
+@task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> dict[str, Any]:
+    """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
+    from vlmexp.export import register_and_promote
+    from vlmexp.pipeline import load_resolved
+    from vlmexp.tracking import make_tracker
+
+    cfg = load_resolved(resolved)
+    name = cfg.export.registered_name or cfg.run.name
+    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric, value,
+                                     cfg.export.direction)
+    verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
+    get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
+    return promotion.as_dict()
 
 
 @task(name="summarise", cache_policy=NO_CACHE)

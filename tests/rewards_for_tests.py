@@ -20,3 +20,10 @@ def fail_once(prompts=None, completions=(), **kwargs):
         marker.write_text("failed once\n")
         raise RuntimeError("planted failure")
     return [0.0 for _ in completions]
+
+
+def sometimes_broken(prompts, completions, **kwargs):
+    """char_variety, except every 4th sample is NaN, inf or None in turn (a reward with holes)."""
+    holes = (float("nan"), float("inf"), None)
+    return [holes[(i // 4) % 3] if i % 4 == 0 else len(set(completion_text(c))) / 20
+            for i, c in enumerate(completions)]

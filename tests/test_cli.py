@@ -40,7 +40,7 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
 def test_run_demo_builds_model_and_samples(tmp_path):
     out = tmp_path / "run"
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
-               "data.demo.val=4", cwd=tmp_path)
+               "data.demo.val=4", "sft.enabled=false", "grpo.enabled=false", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     train = (out / "data" / "train.jsonl").read_text().splitlines()
     val = (out / "data" / "val.jsonl").read_text().splitlines()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.args.save_steps=4",
          "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
-         "grpo.args.per_device_train_batch_size=4", "grpo.args.max_completion_length=12",
+         "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
          "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
          "eval.max_new_tokens=12"]
 
@@ -108,6 +108,15 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert {"evaluation/base_samples.json", "evaluation/grpo_samples.json"} <= set(_artifacts(client, ev.info.run_id))
     assert [row["model"] for row in result["evaluation"]] == ["base", "sft", "grpo"]
     assert (out / "export" / "model.safetensors").is_file()
+    manifest = json.loads((out / "export" / "manifest.json").read_text())
+    assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
+    assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
+    # registry: the first export becomes the champion, with its metric on the version
+    assert result["promotion"]["promoted"] and result["promotion"]["version"] == "1"
+    assert "promoted to `champion`" in result["summary"] and tags["export.promoted"] == "true"
+    champion = client.get_model_version_by_alias("vlmexp-demo", "champion")
+    assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
+    assert "model/model.safetensors" in _artifacts(client, parent.info.run_id)
 
     states = _task_states(tags["prefect.flow_run_id"])
     assert all(state == "Completed" for _, state in states), states
@@ -119,6 +128,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
     states = _task_states(rerun.data.tags["prefect.flow_run_id"])
     assert [s for name, s in states if name == "train-stage"] == ["Cached", "Cached"], states
+    assert len(client.search_model_versions("name='vlmexp-demo'")) == 1  # the cached export is not registered again
 
 
 def _latest_parent(out):

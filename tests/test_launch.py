@@ -98,7 +98,7 @@ def test_deepspeed_zero_configs_run_training_steps(tmp_path, stage, zero):
     from transformers import AutoModelForImageTextToText
 
     extra = (["sft.args.max_steps=2", "sft.args.save_steps=2"] if stage == "sft" else
-             ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
+             ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
               "grpo.args.max_completion_length=8", "grpo.args.beta=0.04", "grpo.args.logging_steps=1", "grpo.args.temperature=1.5",
               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"])
     r = vlmexp("train", stage, "--config", DEMO, f"run.output_dir={tmp_path}", *TRAIN, *extra,

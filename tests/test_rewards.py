@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pickle
+import sys
+from pathlib import Path
 
 import pytest
 
 from vlmexp.processor import PixelBudget
 from vlmexp.rewards import (
     ExactReward, FormatReward, IoUReward, MathReward, RewardError, build_reward, check_reward_name,
-    completion_text, extract_answer,
+    completion_text, extract_answer, guarded,
 )
 
 BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
@@ -151,3 +153,28 @@ def test_rewards_pickle():
     # a 28x28 image is upscaled to 56x56 (min_pixels 3136), so the full image is [0, 0, 56, 56]
     assert again(completions=["<answer>[0, 0, 56, 56]</answer>"], solution=[[0, 0, 28, 28]],
                  image_sizes=[[[28, 28]]]) == [pytest.approx(1.0)]
+
+
+def test_non_finite_and_none_scores_are_masked_and_counted():
+    import math
+
+    sys_path = str(Path(__file__).parent)
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    r = build_reward("rewards_for_tests:sometimes_broken", {}, "grid1000", None)
+    scores = r(prompts=["p"] * 12, completions=["abc"] * 12)
+    assert scores[0] is None and scores[4] is None and scores[8] is None  # NaN, inf, None
+    assert all(s is None or math.isfinite(s) for s in scores) and scores[1] == pytest.approx(3 / 20)
+    assert r.masked == {"nan": 1, "inf": 1, "none": 1}
+    # a built-in's None means "not this sample's task": not counted as masked
+    iou = build_reward("iou", {}, "grid1000", None)
+    assert iou(completions=["x"], solution=["1"], task=["math"]) == [None] and not iou.masked
+
+
+def test_reward_returning_the_wrong_shape_or_type_names_itself():
+    bad_len = guarded(lambda prompts=None, completions=(), **k: [1.0], "short")
+    with pytest.raises(RewardError, match="'short' must return a list of 2 scores"):
+        bad_len(completions=["a", "b"])
+    bad_type = guarded(lambda prompts=None, completions=(), **k: ["high"], "wordy")
+    with pytest.raises(RewardError, match="'wordy' returned 'high' for sample 0; return a float or None"):
+        bad_type(completions=["a"])

@@ -45,6 +45,21 @@ def test_sft_loss_falls_and_parameters_change(tmp_path):
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
     assert (final / "processor_config.json").is_file()
 
+    # `vlmexp eval` and `vlmexp score` share one scoring path: the model's completions, scored offline
+    # from a predictions file, give the same metrics and per-sample scores
+    from vlmexp.evaluate import evaluate, score_predictions
+
+    records = tmp_path / "data" / "train.jsonl"
+    result = evaluate(cfg, str(final), records, tmp_path / "eval")
+    samples = [json.loads(line) for line in result.samples_path.read_text().splitlines()]
+    preds = tmp_path / "predictions.jsonl"
+    preds.write_text("".join(json.dumps({**json.loads(line), "completion": s["completion"]}) + "\n"
+                             for line, s in zip(records.read_text().splitlines(), samples, strict=True)))
+    metrics, rows = score_predictions(preds, "qwen2_5_vl", cfg.model.min_pixels, cfg.model.max_pixels)
+    assert metrics == result.metrics and metrics["count"] == 16
+    assert [r["score"] for r in rows] == [s["score"] for s in samples]
+    assert {"image", "prompt", "completion", "answer", "score"} <= samples[0].keys()
+
 
 def test_grpo_updates_and_logs_each_reward(tmp_path):
     from vlmexp.train.grpo import run_grpo

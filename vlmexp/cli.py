@@ -80,6 +80,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
+    import json
+
+    from vlmexp.data.sample import atomic_write
+    from vlmexp.evaluate import score_predictions
+
+    metrics, rows = score_predictions(args.predictions, args.family, args.min_pixels, args.max_pixels, args.image_root)
+    if args.per_sample:
+        atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export CHECKPOINT (a model folder or LoRA adapter) as one folder that loads in plain transformers."""
+    import tempfile
+
+    from vlmexp.config_loader import dump_config, load_config
+    from vlmexp.export import export_model
+    from vlmexp.tracking import git_commit
+
+    cfg = load_config(args.config, args.overrides, check_paths=True)
+    out = Path(args.out or Path(cfg.run.output_dir) / "export")
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = dump_config(cfg, Path(tmp) / "config.resolved.yaml")
+        export_model(cfg, args.checkpoint, out, {"config": args.config, "overrides": args.overrides,
+                                                 "git_commit": git_commit()}, resolved_config=resolved)
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     """The MLflow UI for a run's store, bound to 127.0.0.1, in its low-memory form."""
     import os
@@ -174,6 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for metrics.json and samples.jsonl")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("score", help="score a predictions JSONL (data records + `completion`) from any system")
+    p.add_argument("predictions", help="JSONL: one data record per line (any format `sample` reads) plus `completion`")
+    p.add_argument("--family", required=True, choices=FAMILY_NAMES, help="the box frame of the completions")
+    p.add_argument("--min-pixels", type=int, help="image processor min_pixels (default: released checkpoints', 3136)")
+    p.add_argument("--max-pixels", type=int,
+                   help="image processor max_pixels (default: released checkpoints', 12845056)")
+    p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
+    p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
+    p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("export", help="merge a LoRA adapter (if any) and write a self-contained model folder")
+    p.add_argument("checkpoint", help="a model folder or LoRA adapter folder (e.g. outputs/demo/grpo/final)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", help="output folder (default: <run.output_dir>/export)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a config's tracking store")
     p.add_argument("--config", help="the config whose store to show (default store: --store)")

@@ -81,6 +81,19 @@ def iou(a: Sequence[float], b: Sequence[float]) -> float:
     return inter / union if union > 0 else 0.0
 
 
+def giou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Generalized IoU (Rezatofighi et al., 2019): IoU minus the share of the smallest enclosing box that
+    neither box covers. In [-1, 1]; unlike IoU it still ranks boxes that do not overlap by how far apart
+    they are, which gives GRPO a signal before any sampled box touches the target."""
+    enclose = (max(a[2], b[2]) - min(a[0], b[0])) * (max(a[3], b[3]) - min(a[1], b[1]))
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
+    if enclose <= 0 or union <= 0:
+        return -1.0
+    return iou(a, b) - (enclose - union) / enclose
+
+
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _NUMBERS = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,"
                       r"\s*(-?\d+(?:\.\d+)?)\s*\]")

@@ -40,7 +40,7 @@ def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str],
             score = by_task[example.task].score(text, solution=solution)
         fmt_scores.append(f)
         per_task[example.task].append(score)
-        rows.append({"image": (record.get("image_paths") or [""])[0], "task": example.task,
+        rows.append({"image": (record.get("image_paths") or example.images or [""])[0], "task": example.task,
                      "problem": example.problem, "solution": solution, "completion": text,
                      "answer": extract_answer(text), "format": f, "score": score})
     metrics: dict[str, float] = {"count": float(len(rows))}
@@ -54,6 +54,66 @@ def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str],
         if per_task[task]:
             metrics[f"{task}_accuracy"] = sum(per_task[task]) / len(per_task[task])
     return metrics, rows
+
+
+# The pixel bounds of the released checkpoints' image processors (used by `vlmexp score`, which has no
+# processor to read them from): min_pixels 4x28x28, max_pixels 16384x28x28.
+RELEASED_PIXELS = (3136, 12845056)
+
+
+def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[dict], list[str]]:
+    """(records, completions) of a predictions JSONL: each line a data record in any format the sampler
+    reads, with `completion`. Records already sampled keep their image sizes; others get them read from
+    their images (relative paths join `image_root`, default the file's folder). All problems at once."""
+    from vlmexp.config import DataSource
+    from vlmexp.data.formats import FORMATS, detect_format, parse_record
+    from vlmexp.data.sample import ImageChecker, resolve_image
+    from vlmexp.data.sources import read_records
+    from vlmexp.errors import DataError, Problem
+
+    src = DataSource(json_path=str(path), image_root=str(image_root) if image_root else None)
+    checker, problems, records, completions = ImageChecker(), [], [], []
+    for where, record in read_records(path):
+        completion = record.get("completion")
+        if not isinstance(completion, str):
+            problems.append(Problem(where, "completion", "each line needs the model's output as a string "
+                                    "`completion`", completion))
+            continue
+        fmt = record.get("record_format") or detect_format(record)
+        if fmt not in FORMATS:
+            problems.append(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
+                                               f"{', '.join(FORMATS)}: see README 'Data formats'"))
+            continue
+        try:
+            example = parse_record(record, fmt, record.get("task"))
+        except ValueError as e:
+            problems.append(Problem(where, "", str(e)))
+            continue
+        sizes = record.get("image_sizes")
+        if example.task == "rec" and not sizes:
+            found = [checker.check(resolve_image(ref, src)) for ref in example.images[:1]]
+            if bad := [s for s in found if isinstance(s, str)]:
+                problems += [Problem(where, "image", msg) for msg in bad]
+                continue
+            sizes = [list(s) for s in found]
+        records.append({**record, "record_format": fmt, "task": example.task, "image_sizes": sizes or []})
+        completions.append(completion)
+    if problems:
+        raise DataError(problems, title=f"invalid predictions file {path}")
+    return records, completions
+
+
+def score_predictions(path: str | Path, family_name: str, min_pixels: int | None = None,
+                      max_pixels: int | None = None, image_root: str | Path | None = None):
+    """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`."""
+    from vlmexp.families import get_family
+    from vlmexp.processor import PixelBudget
+
+    family = get_family(family_name)
+    budget = PixelBudget(family.default_patch_size, 2, min_pixels or RELEASED_PIXELS[0],
+                         max_pixels or RELEASED_PIXELS[1])
+    records, completions = read_predictions(path, image_root)
+    return score_records(records, completions, family.box_frame, budget)
 
 
 @dataclass
@@ -128,6 +188,8 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     completions = generate(model, processor, prompts, [load_images(r) for r in records], cfg.eval.max_new_tokens,
                            cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor))
+    for row, prompt in zip(rows, prompts, strict=True):
+        row["prompt"] = prompt[-1]["content"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))

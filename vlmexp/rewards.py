@@ -11,6 +11,7 @@ its name and the offending sample (`RewardError`). Evaluation scores with these 
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import string
 from collections import Counter
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmexp.coords import from_frame, iou, parse_box
+from vlmexp.coords import from_frame, giou, iou, parse_box
 
 Score = float | None
 
@@ -121,16 +122,18 @@ class IoUReward(Reward):
     """IoU in original pixels after mapping the predicted box from the family's frame.
 
     `frame` and `budget` come from the model family and its loaded processor (see build_rewards).
-    With `threshold`, the reward is 1 when IoU >= threshold, else 0 (the `iou_threshold` reward).
+    With `threshold`, the reward is 1 when IoU >= threshold, else 0 (the `iou_threshold` reward). With
+    `generalized`, it is (GIoU + 1) / 2 in [0, 1] (the `giou` reward): dense where IoU is 0 everywhere.
     """
 
     frame: str = "pixels"
     budget: Any = None  # vlmexp.processor.PixelBudget, needed for the "pixels" frame
     threshold: float | None = None
+    generalized: bool = False
     answer_tag: str = "answer"
 
     def __post_init__(self) -> None:
-        self.name = "iou" if self.threshold is None else "iou_threshold"
+        self.name = "giou" if self.generalized else "iou" if self.threshold is None else "iou_threshold"
         self.tasks = ("rec",)
 
     def score(self, text: str, solution: Any = None, image_sizes: Any = None, **sample: Any) -> Score:
@@ -147,7 +150,10 @@ class IoUReward(Reward):
         if box[2] <= box[0] or box[3] <= box[1]:
             return self.fail("degenerate_box")
         width, height = image_sizes[0]
-        value = iou(from_frame(box, width, height, self.frame, self.budget), gold)
+        predicted = from_frame(box, width, height, self.frame, self.budget)
+        if self.generalized:
+            return (giou(predicted, gold) + 1) / 2
+        value = iou(predicted, gold)
         return value if self.threshold is None else float(value >= self.threshold)
 
 
@@ -215,10 +221,11 @@ REGISTRY: dict[str, Callable[..., Reward]] = {
     "format": FormatReward,
     "iou": IoUReward,
     "iou_threshold": lambda threshold=0.5, **kw: IoUReward(threshold=threshold, **kw),
+    "giou": lambda **kw: IoUReward(generalized=True, **kw),
     "math": MathReward,
     "exact": ExactReward,
 }
-NEEDS_FRAME = {"iou", "iou_threshold"}
+NEEDS_FRAME = {"iou", "iou_threshold", "giou"}
 
 
 def load_custom(ref: str) -> Callable[..., list[Score]]:
@@ -265,6 +272,7 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
     def __init__(self, fn: Callable[..., list[Score]], name: str):
         self.fn, self.__name__ = fn, name
         self.observer: Callable[..., None] | None = None  # sees (name, prompts, completions, scores) of each call
+        self.masked: Counter = Counter()  # scores turned into None (TRL leaves those samples out), by reason
 
     @property
     def failures(self) -> Counter:
@@ -284,6 +292,32 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                     raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on sample "
                                       f"{i} (completion {text!r}, solution {one.get('solution')!r})") from e
             raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} on the batch") from batch_error
+        scores = self._checked(scores, len(completions))
         if self.observer is not None:
             self.observer(self.__name__, prompts, completions, scores, kwargs)
         return scores
+
+    def _checked(self, scores: Any, n: int) -> list[Score]:
+        """One float or None per completion. NaN and inf become None (masked, counted): TRL sums the
+        weighted rewards with nansum, so a masked sample gets no credit from this reward, and a NaN never
+        reaches the advantages. A custom reward's None is counted as masked too."""
+        if not isinstance(scores, (list, tuple)) or len(scores) != n:
+            raise RewardError(f"reward {self.__name__!r} must return a list of {n} scores (one per completion), "
+                              f"got {type(scores).__name__} of length {len(scores) if hasattr(scores, '__len__') else '?'}")
+        out: list[Score] = []
+        custom = not isinstance(self.fn, Reward)  # a built-in's None means "not this sample's task"
+        for i, value in enumerate(scores):
+            if value is None:
+                if custom:
+                    self.masked["none"] += 1
+                out.append(None)
+                continue
+            if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+                raise RewardError(f"reward {self.__name__!r} returned {value!r} for sample {i}; return a float or None")
+            value = float(value)
+            if math.isfinite(value):
+                out.append(value)
+            else:
+                self.masked["nan" if math.isnan(value) else "inf"] += 1
+                out.append(None)
+        return out

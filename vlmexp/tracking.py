@@ -109,6 +109,14 @@ class NullTracker:
     def subprocess_env(self, run_id: str) -> dict[str, str]:
         return {}
 
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
+        return ""
+
+    def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
+        return None
+
+    def set_alias(self, name: str, version: str, alias: str = "champion") -> None: ...
+
 
 class MlflowTracker(NullTracker):
     enabled = True
@@ -186,6 +194,35 @@ class MlflowTracker(NullTracker):
         """What a training subprocess needs to log into `run_id` (transformers' MLflowCallback)."""
         return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": self.experiment_id,
                 "HF_MLFLOW_LOG_ARTIFACTS": "FALSE", "MLFLOW_FLATTEN_PARAMS": "TRUE"}
+
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
+        """Log `folder` as the run's `model` artifact and register it as a new version of `name`."""
+        from mlflow.exceptions import MlflowException
+
+        self.client.log_artifacts(run_id, str(folder), "model")
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` alias marks "
+                                                                  "the best version so far")
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
+        version = self.client.create_model_version(name, source, run_id=run_id, tags=dict(tags))
+        return str(version.version)
+
+    def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
+        """(version, tags) of the version holding `alias`, or None when there is none yet."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            version = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+        return str(version.version), dict(version.tags)
+
+    def set_alias(self, name: str, version: str, alias: str = "champion") -> None:
+        self.client.set_registered_model_alias(name, alias, version)
 
 
 def make_tracker(cfg: Config) -> NullTracker:

@@ -47,7 +47,7 @@ class SampleResult:
     rows: int
 
 
-class _ImageChecker:
+class ImageChecker:
     """Opens each distinct image once (header and integrity, no full decode) and remembers its size."""
 
     def __init__(self) -> None:
@@ -104,7 +104,7 @@ def _check_box(box: list[float], size: tuple[int, int]) -> str | None:
     return None
 
 
-def sample_source(src: DataSource, seed: int, checker: _ImageChecker) -> tuple[list[dict], SourceReport, list[Problem]]:
+def sample_source(src: DataSource, seed: int, checker: ImageChecker) -> tuple[list[dict], SourceReport, list[Problem]]:
     """Kept records of one source (with `source`, `task`, `image_paths`, ... added) and its problems."""
     rows = read_records(src.json_path)
     problems: list[Problem] = []
@@ -149,7 +149,7 @@ def sample_source(src: DataSource, seed: int, checker: _ImageChecker) -> tuple[l
 
 def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int) -> SampleResult:
     """Sample every source, validate, and write OUT.jsonl and OUT.manifest.json atomically."""
-    checker = _ImageChecker()
+    checker = ImageChecker()
     records, reports, problems = [], [], []
     for src in sources:
         try:

@@ -9,7 +9,8 @@ from transformers import TrainerCallback
 
 
 class RewardFailureMetrics(TrainerCallback):
-    """Add `rewards/<name>/unparsable/<reason>`: completions a reward could not parse since the last log.
+    """Add `rewards/<name>/unparsable/<reason>` (completions a reward could not parse) and
+    `rewards/<name>/masked/<reason>` (scores that were NaN, inf or a custom reward's None) since the last log.
 
     Runs before the reporting callbacks (see `with_callbacks`) and writes into the log entry itself, so
     the counts reach MLflow and trainer_state.json alike.
@@ -27,6 +28,9 @@ class RewardFailureMetrics(TrainerCallback):
             for reason, count in failures.items():
                 added[f"rewards/{reward.__name__}/unparsable/{reason}"] = float(count)
             failures.clear()
+            for reason, count in getattr(reward, "masked", {}).items():
+                added[f"rewards/{reward.__name__}/masked/{reason}"] = float(count)
+            getattr(reward, "masked", {}).clear()
         logs.update(added)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(added)

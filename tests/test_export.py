@@ -1,0 +1,130 @@
+"""Export (LoRA merged, reloads and generates in plain transformers) and registry promotion both ways."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmexp.config_loader import load_config
+from vlmexp.export import beats, register_and_promote
+from vlmexp.tracking import make_tracker
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_models, tmp_path_factory) -> Path:
+    """A LoRA adapter on the tiny model with non-zero B matrices, so merging changes the weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from vlmexp.families import get_family
+    from vlmexp.processor import load_processor
+
+    base = tiny_models["qwen2_5_vl"]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(base),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    out = tmp_path_factory.mktemp("adapter") / "final"
+    model.save_pretrained(out)
+    load_processor(base, get_family("qwen2_5_vl")).save_pretrained(out)
+    return out
+
+
+def test_export_merges_lora_reloads_and_generates(tmp_path, adapter):
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from vlmexp.families import get_family
+    from vlmexp.processor import load_processor
+
+    out = tmp_path / "export"
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "export", str(adapter), "--config", "configs/demo.yaml",
+                        "--out", str(out), f"run.output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["merged_lora"] is True and manifest["source"] == str(adapter)
+    assert len(manifest["config_sha256"]) == 64 and manifest["git_commit"]
+    assert (out / "vlmexp_config.yaml").is_file() and (out / "chat_template.jinja").is_file()
+
+    exported = AutoModelForImageTextToText.from_pretrained(out)
+    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    merged = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base_path), adapter).merge_and_unload()
+    base_sd, merged_sd, exported_sd = (AutoModelForImageTextToText.from_pretrained(base_path).state_dict(),
+                                       merged.state_dict(), exported.state_dict())
+    assert exported_sd.keys() == merged_sd.keys()
+    assert all(torch.equal(exported_sd[k], merged_sd[k]) for k in merged_sd)
+    assert not torch.equal(exported_sd["model.language_model.layers.0.self_attn.q_proj.weight"],
+                           base_sd["model.language_model.layers.0.self_attn.q_proj.weight"])  # LoRA was merged
+
+    processor = load_processor(out, get_family("qwen2_5_vl"))  # AutoProcessor where torchvision is installed
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find the red circle."}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.new("RGB", (112, 84), "red")], return_tensors="pt")
+    generated = exported.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 6
+
+
+def test_export_keeps_the_adapter_when_merge_is_off(tmp_path, adapter):
+    from vlmexp.export import export_model
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "export.merge_lora=false"])
+    out = export_model(cfg, str(adapter), tmp_path / "export", {"note": "x"})
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    assert json.loads((out / "manifest.json").read_text())["merged_lora"] is False
+
+
+@pytest.mark.parametrize(("direction", "values", "champions"), [
+    ("maximize", [0.30, 0.20, 0.30, 0.45], ["1", "1", "1", "4"]),
+    ("minimize", [0.30, 0.40, 0.10, None], ["1", "1", "3", "3"]),
+])
+def test_registry_promotes_only_a_better_model(tmp_path, tiny_models, direction, values, champions):
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
+    tracker = make_tracker(cfg)
+    decisions = []
+    for value in values:
+        run = tracker.start_pipeline("p", {}, {})
+        decisions.append(register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou",
+                                              value, direction))
+        tracker.end(run)
+    client = MlflowClient(tracker.uri)
+    assert [d.version for d in decisions] == ["1", "2", "3", "4"]  # every export is kept as a version
+    assert [d.promoted for d in decisions] == [a != b for a, b in zip(champions, [None, *champions[:-1]])]
+    assert str(client.get_model_version_by_alias("demo-model", "champion").version) == champions[-1]
+    assert "not better" in decisions[1].reason and decisions[1].champion_value == 0.30
+    if direction == "maximize":
+        assert "=" in decisions[2].reason and not decisions[2].promoted  # a tie keeps the champion
+    else:
+        assert "no value" in decisions[3].reason
+    versions = {str(v.version): v for v in client.search_model_versions("name='demo-model'")}
+    assert versions["1"].tags["metric.rec_mean_iou"] == "0.3"
+
+
+def test_registered_champion_downloads_and_loads(tmp_path, tiny_models, monkeypatch):
+    import mlflow
+    from transformers import AutoModelForImageTextToText
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
+    tracker = make_tracker(cfg)
+    run = tracker.start_pipeline("p", {}, {})
+    register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5, "maximize")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)  # models:/ URIs resolve through the registry's store
+    local = mlflow.artifacts.download_artifacts("models:/demo-model@champion", dst_path=str(tmp_path / "dl"))
+    model = AutoModelForImageTextToText.from_pretrained(local)
+    assert model.config.model_type == "qwen2_5_vl"
+
+
+def test_beats_explains_itself():
+    assert beats(0.5, None, "maximize") == (True, "there is no champion with a value for the metric yet")
+    assert beats(0.5, 0.4, "maximize")[0] and not beats(0.5, 0.4, "minimize")[0]
+    assert beats(0.4, 0.5, "maximize")[1] == "0.4000 < champion's 0.5000 (maximize): not better"
