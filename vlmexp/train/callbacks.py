@@ -36,6 +36,30 @@ class RewardFailureMetrics(TrainerCallback):
             state.log_history[-1].update(added)
 
 
+class SkipLoggedSteps(TrainerCallback):
+    """After a resume, the steps between the checkpoint and the crash run again; their logs are dropped
+    before the reporting callbacks see them, so the run's MLflow metric history has no duplicated or
+    backwards steps (the values first logged stay; trainer_state.json keeps the recomputed ones)."""
+
+    def __init__(self, last_logged_step: int):
+        self.last = last_logged_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and state.global_step <= self.last:
+            logs.clear()
+
+
+def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
+    """The highest step of any metric already in MLflow run `run_id` (0 when none or no run)."""
+    if not tracking_uri or not run_id:
+        return 0
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    keys = client.get_run(run_id).data.metrics
+    return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=0)
+
+
 class StopAtStep(TrainerCallback):
     """Stop training after `step` optimizer steps, saving a checkpoint there (an interruption on purpose)."""
 

@@ -243,6 +243,13 @@ def last_checkpoint(stage_dir: Path) -> str | None:
 def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     """Train (resuming from the newest complete checkpoint) and save model (or adapter) + processor to final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
+    if inputs.resume_from and "mlflow" in (trainer.args.report_to or []):
+        from vlmexp.train.callbacks import SkipLoggedSteps, last_logged_step
+
+        last = last_logged_step(os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID"))
+        log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last,
+                 os.environ.get("MLFLOW_RUN_ID"))
+        trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
     trainer.train(resume_from_checkpoint=inputs.resume_from)
     final = inputs.stage_dir / "final"
     trainer.save_model(str(final))
