@@ -122,9 +122,10 @@ def sample_source(src: DataSource, seed: int, checker: ImageChecker) -> tuple[li
     for i in keep:
         where, record = rows[i]
         try:
+            ex = parse_record(record, fmt, src.task)  # names a missing field and what the format needs
             if detect_format(record) != fmt:
-                raise ValueError(f"record is not in the source's format {fmt!r} (detected from its first record)")
-            ex = parse_record(record, fmt, src.task)
+                raise ValueError(f"record is not in the source's format {fmt!r} (detected from its first record); "
+                                 f"give every record of a file the same format")
             if ex.task == "rec" and len(ex.images) != 1:
                 raise ValueError(f"a grounding record needs exactly one image, got {len(ex.images)}")
         except ValueError as e:

@@ -65,3 +65,36 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
                        image_path=record["image_paths"][0] if record["image_paths"] else "")
         rows.append(row)
     return Dataset.from_list(rows)
+
+
+def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, budget, processor,
+                           max_length: int | None, field: str) -> None:
+    """Refuse, before any step, records whose image tokens plus prompt and answer do not fit `max_length`.
+
+    TRL truncates such a sequence: cut inside the image placeholders, the model then fails with "Image
+    features and image tokens do not match"; cut after them, the answer the loss is computed on is lost.
+    """
+    from vlmexp.coords import smart_resize
+    from vlmexp.errors import DataError, Problem
+
+    if not max_length:
+        return
+    tokenizer = getattr(processor, "tokenizer", processor)
+    problems = []
+    for n, record in enumerate(read_jsonl(path), start=1):
+        image_tokens = 0
+        for width, height in record.get("image_sizes") or []:
+            h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
+            image_tokens += (h // budget.patch_size) * (w // budget.patch_size) // budget.merge_size ** 2
+        text = "".join(m["content"] for m in build_prompt(record, data, family)) + target_text(record, family, budget)
+        total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
+        if total > max_length:
+            problems.append(Problem(
+                f"{path}:{n}", field, f"record from {record.get('source')} row {record.get('source_row')} needs about "
+                f"{total} tokens ({image_tokens} for its image(s) of {record.get('image_sizes')} at max_pixels "
+                f"{budget.max_pixels}), over {field} = {max_length}: truncation would cut the image tokens or the "
+                f"answer; raise {field} or lower model.max_pixels"))
+            if len(problems) >= 20:
+                break
+    if problems:
+        raise DataError(problems, title="sequences longer than the training limit")

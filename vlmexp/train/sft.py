@@ -14,11 +14,14 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = ()) -> Path:
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
     from trl import SFTTrainer
 
-    from vlmexp.train.data import build_dataset
+    from vlmexp.train.data import build_dataset, check_sequence_lengths
 
     inputs = prepare_stage(cfg, "sft")
+    args = trl_args(inputs)
+    check_sequence_lengths(inputs.train_path, cfg.data, inputs.family, inputs.budget, inputs.processor,
+                           args.max_length, "sft.args.max_length")
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft")
     model, peft_config = load_model(inputs)
-    trainer = SFTTrainer(model=model, args=trl_args(inputs), train_dataset=train_dataset,
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))
