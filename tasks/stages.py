@@ -52,14 +52,14 @@ def sample_data(resolved: str) -> dict[str, str | None]:
 def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
     from vlmexp.pipeline import load_resolved
-    from vlmexp.tracking import flatten, make_tracker, run_tags
+    from vlmexp.tracking import flatten, make_tracker, redacted_yaml, run_tags
 
     cfg = load_resolved(resolved)
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline(
         f"{cfg.run.name}-pipeline", flatten(cfg.model_dump(mode="json"), "config."),
         run_tags({"prefect.flow_run_id": flow_run_id, "data.manifest_sha256": data_hash}))
-    tracker.log_artifact(parent, resolved)
+    tracker.log_text(parent, redacted_yaml(resolved), Path(resolved).name)  # secrets in the config stay out
     for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
         tracker.log_artifact(parent, manifest, "data")
     return parent

@@ -65,3 +65,34 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     for key in ("loss", "reward", "rewards/rewards_for_tests:char_variety/mean"):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
+
+
+def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
+    """SIGKILL the whole `vlmexp run` process group (flow, temporary server, training) during GRPO; the same
+    command then finishes: SFT comes from the cache, GRPO resumes from its checkpoint."""
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO / "tests"),
+           "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "storage")}
+    command = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={out}",
+               "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=4",
+               "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
+               "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.max_new_tokens=8",
+               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (out / "grpo" / "checkpoint-2" / "trainer_state.json").is_file():
+        assert first.poll() is None and time.monotonic() < deadline, "GRPO never wrote checkpoint-2"
+        time.sleep(0.5)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert not (out / "grpo" / "final").exists()
+
+    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = second.stdout + second.stderr
+    assert "| sft | skipped: inputs unchanged" in log  # finished before the kill: not redone
+    assert "(resume: " in log and "/grpo/checkpoint-" in log.split("(resume: ")[1].split(")")[0]
+    assert (out / "grpo" / "final" / "model.safetensors").is_file() and (out / "export" / "manifest.json").is_file()

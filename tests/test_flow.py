@@ -71,10 +71,16 @@ def _artifacts(client, run_id, path=None):
     return out
 
 
-def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing_changed(prefect, tmp_path):
+ENV_SECRET, CONFIG_SECRET = "planted-env-secret-4711", "planted-config-secret-0815"
+
+
+def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing_changed(prefect, tmp_path,
+                                                                                         monkeypatch):
     out = tmp_path / "run"
     rewards = "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]"
-    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards])
+    monkeypatch.setenv("VLMEXP_TEST_API_TOKEN", ENV_SECRET)  # secrets in the environment and in the config
+    secret = f"sft.args.hub_token={CONFIG_SECRET}"
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret])
 
     client, exp, runs = _mlflow(out)
     assert exp.artifact_location == (out / "mlartifacts").as_uri()
@@ -118,17 +124,31 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
     assert "model/model.safetensors" in _artifacts(client, parent.info.run_id)
 
+    _assert_no_secret_in_mlflow(client, exp, tmp_path / "scan")
+    assert "<redacted>" in (out / "export" / "vlmexp_config.yaml").read_text()
+
     states = _task_states(tags["prefect.flow_run_id"])
     assert all(state == "Completed" for _, state in states), states
     assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate", "export"}
 
-    again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards])
+    again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret])
     assert "skipped: inputs unchanged" in again["summary"]
     rerun = _latest_parent(out)  # the rerun is its own pipeline run in MLflow, with the skip recorded
     assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
     states = _task_states(rerun.data.tags["prefect.flow_run_id"])
     assert [s for name, s in states if name == "train-stage"] == ["Cached", "Cached"], states
     assert len(client.search_model_versions("name='vlmexp-demo'")) == 1  # the cached export is not registered again
+
+
+def _assert_no_secret_in_mlflow(client, exp, scan: Path):
+    """Neither planted secret is in any run's params, tags or metrics names, nor in any artifact's bytes."""
+    for run in client.search_runs([exp.experiment_id]):
+        texts = [*run.data.params.items(), *run.data.tags.items(), *run.data.metrics]
+        assert not [t for t in map(str, texts) if ENV_SECRET in t or CONFIG_SECRET in t], run.info.run_name
+        local = Path(client.download_artifacts(run.info.run_id, "", str(scan / run.info.run_id)))
+        for f in (p for p in local.rglob("*") if p.is_file()):
+            data = f.read_bytes()
+            assert ENV_SECRET.encode() not in data and CONFIG_SECRET.encode() not in data, f
 
 
 def _latest_parent(out):

@@ -150,3 +150,21 @@ def test_image_tokens_over_the_sequence_limit(world, tmp_path, capsys):
     for needle in ("train.jsonl:2", "sft.args.max_length", "1225 for its image", "raise sft.args.max_length",
                    "lower model.max_pixels"):
         assert needle in err, (needle, err)
+
+
+def test_safe_defaults(world, tmp_path, capsys):
+    from vlmexp.cli import build_parser
+    from vlmexp.config_loader import load_config
+
+    cfg = load_config(_config(world, tmp_path))
+    assert cfg.model.trust_remote_code is False
+    assert build_parser().parse_args(["ui"]).host == "127.0.0.1"
+    # YAML is read safely: a python tag is an error, never a call
+    planted = tmp_path / "executed"
+    config = tmp_path / "evil.yaml"
+    config.write_text(f"run:\n  name: !!python/object/apply:os.system ['touch {planted}']\n")
+    assert main(["validate", str(config)]) == 2
+    assert not planted.exists() and "evil.yaml" in capsys.readouterr().err
+    # a reward name is never evaluated: only registered names and importable module:function references
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"grpo.rewards=[{{name: '__import__(\"os\").system(\"touch {planted}\")'}}]")
+    assert "unknown reward" in err and not planted.exists()

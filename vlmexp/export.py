@@ -25,6 +25,7 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
     """Write safetensors (or the adapter), processor, chat template and manifest.json to `out_dir`,
     replacing it atomically: a reader sees the old folder or the new one, never a mix."""
     from vlmexp.evaluate import load_for_inference
+    from vlmexp.tracking import redacted_yaml
     from vlmexp.train.common import adapter_base
 
     out = Path(out_dir)
@@ -41,7 +42,7 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
             "adapter_base": base, **manifest}
     if resolved_config:
         full["config_sha256"] = hashlib.sha256(Path(resolved_config).read_bytes()).hexdigest()
-        shutil.copy(resolved_config, tmp / "vlmexp_config.yaml")
+        (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
     (tmp / "manifest.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
     old = out.with_name(f".{out.name}.old")
     shutil.rmtree(old, ignore_errors=True)

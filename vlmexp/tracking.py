@@ -64,6 +64,22 @@ def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return tags
 
 
+def redact(obj: Any) -> Any:
+    """A copy of a config tree with the values of secret-named keys (TOKEN, KEY, SECRET, PASSWORD) hidden."""
+    if isinstance(obj, dict):
+        return {k: "<redacted>" if SECRET_NAME.search(str(k)) and v is not None else redact(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+def redacted_yaml(path: str | Path) -> str:
+    """A YAML file's text with secret-named keys' values hidden: what may be logged or exported."""
+    import yaml
+
+    return yaml.safe_dump(redact(yaml.safe_load(Path(path).read_text())), sort_keys=False)
+
+
 def git_commit() -> str:
     root = Path(__file__).resolve().parents[1]
     try:
