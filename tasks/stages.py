@@ -7,6 +7,7 @@ re-running the flow with the same config and data skips them; `force` recomputes
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
                       f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
     if png:
         tracker.log_artifact(run_id, png, "plots")
-    tracker.log_metrics(run_id, {"stage_seconds": seconds})
+    memory = stage_dir / "peak_memory.json"
+    tracker.log_metrics(run_id, {"stage_seconds": seconds, **(json.loads(memory.read_text()) if memory.is_file() else {})})
     tracker.end(run_id, "FINISHED")
     return {"stage": stage, "final": str(stage_dir / "final"), "key": key, "run_id": run_id, "seconds": seconds,
             "flow_run_id": str(flow_run.id)}
@@ -125,8 +127,6 @@ def evaluate_model(name: str, resolved: str, key: str, model: str, records: str,
 def log_evaluation(resolved: str, results: list[dict[str, Any]], parent_run_id: str) -> list[dict[str, Any]]:
     """One MLflow child run for evaluation: metrics per model, the comparison table, per-sample tables;
     the comparison as a Prefect table artifact too."""
-    import json
-
     from prefect.artifacts import create_table_artifact
 
     from vlmexp.evaluate import METRIC_KEYS
@@ -139,7 +139,8 @@ def log_evaluation(resolved: str, results: list[dict[str, Any]], parent_run_id: 
              for r in results]
     run_id = tracker.start_stage(parent_run_id, "eval")
     for r in results:
-        tracker.log_metrics(run_id, {f"{r['name']}/{k}": v for k, v in r["metrics"].items()})
+        tracker.log_metrics(run_id, {**{f"{r['name']}/{k}": v for k, v in r["metrics"].items()},
+                                     f"{r['name']}/seconds": r["seconds"]})
         rows = [json.loads(line) for line in Path(r["samples"]).read_text().splitlines()]
         tracker.log_table(run_id, [{"model": r["name"], **row} for row in rows], f"evaluation/{r['name']}_samples.json")
     tracker.log_table(run_id, table, "evaluation/comparison.json")

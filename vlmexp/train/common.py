@@ -255,7 +255,20 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     trainer.save_model(str(final))
     if trainer.args.should_save:
         inputs.processor.save_pretrained(str(final))
+        (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
     return final
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's peak resident memory and, on CUDA, peak allocated GPU memory, in MiB."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        out["peak_gpu_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
 def with_callbacks(trainer, first: Sequence[Any] = (), last: Sequence[Any] = ()):
