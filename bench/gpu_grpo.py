@@ -106,12 +106,12 @@ def main() -> None:
         model.eval()
         sync(device)
         t = time.perf_counter()
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the sequences feed the update's autograd graph
             seqs = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                                   suppress_tokens=eos, pad_token_id=tokenizer.pad_token_id)
         sync(device)
         gen = time.perf_counter() - t
-        batch = {k: v for k, v in inputs.items() if k != "input_ids" and k != "attention_mask"}
+        batch = {k: inputs[k].clone() for k in ("pixel_values", "image_grid_thw")}  # per-token inputs cover the prompt only
         mask = torch.ones_like(seqs)
         t = time.perf_counter()
         with torch.no_grad():
