@@ -35,6 +35,7 @@ from vlmexp.families import get_family
 from vlmexp.processor import load_processor
 
 model_path, train, out, _, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+args.setdefault("bf16", False)  # float32 weights, as the demo config trains them
 rows = []
 for line in Path(train).read_text().splitlines():
     r = json.loads(line)
@@ -65,6 +66,12 @@ json.dump(trainer.state.log_history, open(Path(out) / "log_history.json", "w"))
 '''
 
 
+def call(command: list[str]) -> None:
+    r = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise SystemExit(f"{command[:4]} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
 def step_times(history: list[dict]) -> list[float]:
     return [h["step_time"] for h in history if "step_time" in h][2:]
 
@@ -72,8 +79,7 @@ def step_times(history: list[dict]) -> list[float]:
 def run_plain(model: str, train: str, work: Path, steps: int) -> list[float]:
     out = work / f"plain-{time.monotonic_ns()}"
     out.mkdir()
-    subprocess.run([sys.executable, "-c", PLAIN, model, train, str(out), str(REPO),
-                    json.dumps({**ARGS, "max_steps": steps})], check=True, capture_output=True, cwd=REPO)
+    call([sys.executable, "-c", PLAIN, model, train, str(out), str(REPO), json.dumps({**ARGS, "max_steps": steps})])
     return step_times(json.loads((out / "log_history.json").read_text()))
 
 
@@ -87,8 +93,7 @@ def run_vlmexp(work: Path, steps: int) -> list[float]:
         (out / name).symlink_to(work / "shared" / name)
     (out / next((work / "shared").glob("demo_data-*")).name).symlink_to(next((work / "shared").glob("demo_data-*")))
     (out / ".prepared").touch()
-    subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml", *overrides],
-                   check=True, capture_output=True, cwd=REPO)
+    call([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml", *overrides])
     state = json.loads((out / "grpo" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     return step_times(state["log_history"])
 
@@ -101,9 +106,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
-                        "sft.args.save_steps=1"], check=True, capture_output=True, cwd=REPO)  # model + data only
+        call([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
+              f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
+              "sft.args.save_steps=1"])  # builds the model and samples the data
         [model] = (work / "shared" / "models").glob("tiny-*")
         train = str(work / "shared" / "data" / "train.jsonl")
         plain, ours = [], []

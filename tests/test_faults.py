@@ -96,3 +96,53 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
     assert "| sft | skipped: inputs unchanged" in log  # finished before the kill: not redone
     assert "(resume: " in log and "/grpo/checkpoint-" in log.split("(resume: ")[1].split(")")[0]
     assert (out / "grpo" / "final" / "model.safetensors").is_file() and (out / "export" / "manifest.json").is_file()
+
+
+def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
+    """A real MLflow server, killed once GRPO has written checkpoint-4: training goes on to max_steps and
+    saves its model; the lost logging is reported as warnings."""
+    import socket
+    import time
+    import urllib.request
+
+    from vlmexp.tracking import MlflowTracker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--workers", "1",
+                               "--default-artifact-root", str(tmp_path / "artifacts")],
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "MLflow server did not start"
+                time.sleep(0.5)
+        tracker = MlflowTracker(uri, "faults", (tmp_path / "artifacts").as_uri())
+        run_id = tracker.start_pipeline("stage", {}, {})
+        log = tmp_path / "train.log"
+        env = {**os.environ, **tracker.subprocess_env(run_id), "PYTHONPATH": str(REPO / "tests"),
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fail fast
+        train = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+                                  f"run.output_dir={tmp_path}", *GRPO[:3], "grpo.args.max_steps=12",
+                                  "grpo.args.save_steps=4", *GRPO[5:], "tracking.completions_every=2"],
+                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        while not (tmp_path / "grpo" / "checkpoint-4" / "trainer_state.json").is_file():
+            assert train.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    train.wait(timeout=600)
+    stderr = log.read_text()
+    assert train.returncode == 0, stderr[-3000:]
+    state = json.loads((tmp_path / "grpo" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12 and (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
+    assert "MLflow store unreachable" in stderr and "MLflow could not close the run" in stderr

@@ -208,8 +208,13 @@ class MlflowTracker(NullTracker):
 
     def subprocess_env(self, run_id: str) -> dict[str, str]:
         """What a training subprocess needs to log into `run_id` (transformers' MLflowCallback)."""
+        # Asynchronous logging: TRL logs its profiling timings with a bare mlflow.log_metrics on every
+        # profiled call (43 ms each against a sqlite store, measured: bench/RESULTS.md); queued, they cost
+        # the step ~1 ms, and a store that goes away mid-run loses metrics (logged as errors) instead of
+        # stopping training.
         return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": self.experiment_id,
-                "HF_MLFLOW_LOG_ARTIFACTS": "FALSE", "MLFLOW_FLATTEN_PARAMS": "TRUE"}
+                "HF_MLFLOW_LOG_ARTIFACTS": "FALSE", "MLFLOW_FLATTEN_PARAMS": "TRUE",
+                "MLFLOW_ENABLE_ASYNC_LOGGING": "true"}
 
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
         """Log `folder` as the run's `model` artifact and register it as a new version of `name`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,4 +107,9 @@ class CompletionTable(TrainerCallback):
         import pandas as pd
 
         table = pd.DataFrame({"step": state.global_step, **self.batch})
-        mlflow.log_table(table, artifact_file=f"completions/step_{state.global_step:06d}.json")
+        try:
+            mlflow.log_table(table, artifact_file=f"completions/step_{state.global_step:06d}.json")
+        except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
+            logging.getLogger("vlmexp.train").warning(
+                "step %d: completion table not logged, MLflow store unreachable (%s); training goes on",
+                state.global_step, str(e).splitlines()[0][:300])
