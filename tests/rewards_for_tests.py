@@ -23,7 +23,8 @@ def fail_once(prompts=None, completions=(), **kwargs):
 
 
 def sometimes_broken(prompts, completions, **kwargs):
-    """char_variety, except every 4th sample is NaN, inf or None in turn (a reward with holes)."""
+    """char_variety, except every 4th sample is NaN, inf or None, in turn across calls (a reward with holes)."""
     holes = (float("nan"), float("inf"), None)
-    return [holes[(i // 4) % 3] if i % 4 == 0 else len(set(completion_text(c))) / 20
+    sometimes_broken.calls = getattr(sometimes_broken, "calls", -1) + 1
+    return [holes[(sometimes_broken.calls + i // 4) % 3] if i % 4 == 0 else len(set(completion_text(c))) / 20
             for i, c in enumerate(completions)]

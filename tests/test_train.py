@@ -68,7 +68,8 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
     cfg = _cfg(tmp_path, "grpo.args.max_steps=3", "grpo.args.save_steps=3", "grpo.args.logging_steps=1",
                "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
                "grpo.args.max_completion_length=12", "grpo.args.temperature=1.5",
-               "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]")
+               "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}, "
+               "{name: 'rewards_for_tests:sometimes_broken'}]")
     final = run_grpo(cfg)
     [base] = (tmp_path / "models").glob("tiny-*")
     before, after = _weights(base), _weights(final)
@@ -79,6 +80,14 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
                 "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean"):
         assert key in history[0], key
     assert any(h["rewards/rewards_for_tests:char_variety/std"] > 0 for h in history)
+    # a reward with NaN, inf and None scores: masked and counted, and no weight becomes NaN or inf
+    import torch
+
+    masked = {k.rsplit("/", 1)[1]: v for h in history for k, v in h.items()
+              if k.startswith("rewards/rewards_for_tests:sometimes_broken/masked/")}
+    assert set(masked) == {"nan", "inf", "none"}, masked
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 
 def test_train_cli_runs_a_stage(tmp_path):
