@@ -42,11 +42,12 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
     from vlmexp.pipeline import load_resolved, stage_key
     from vlmexp.tracking import git_commit
 
-    resolved = validate_config(config, overrides or [])
-    cfg = load_resolved(resolved)
+    pending = validate_config(config, overrides or [])
+    cfg = load_resolved(pending)
     retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}
 
-    data = sample_data.with_options(retries=cfg.pipeline.retries)(resolved)
+    data = sample_data.with_options(retries=cfg.pipeline.retries)(pending)
+    resolved = data["resolved"]  # config.resolved.yaml: written once the data sampled cleanly
     parent = start_tracking(resolved, data["hash"], str(flow_run.id or ""))
     summary = [f"# {cfg.run.name}", "", f"config `{config}`, data manifest `{data['hash'][:12]}`", "",
                "| stage | status | seconds | output |", "|---|---|---|---|"]

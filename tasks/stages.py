@@ -26,27 +26,29 @@ def _key(prefix: str):
 
 @task(name="validate-config", cache_policy=NO_CACHE)
 def validate_config(config: str, overrides: list[str]) -> str:
-    """Check the config (all problems at once) and write the resolved copy every later step reads."""
+    """Check the config (all problems at once) and write the resolved copy (pending until the data is sampled)."""
     from vlmexp.pipeline import resolve_config
 
-    _, resolved = resolve_config(config, overrides)
-    get_run_logger().info("config %s ok; resolved to %s", config, resolved)
-    return str(resolved)
+    _, pending = resolve_config(config, overrides)
+    get_run_logger().info("config %s ok; resolved to %s", config, pending)
+    return str(pending)
 
 
 @task(name="sample-data", cache_policy=NO_CACHE)
-def sample_data(resolved: str) -> dict[str, str | None]:
-    """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash."""
+def sample_data(pending: str) -> dict[str, str | None]:
+    """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
+    the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.prepare import prepare_data
     from vlmexp.models import resolve_model
-    from vlmexp.pipeline import load_resolved
+    from vlmexp.pipeline import commit_resolved, load_resolved
 
-    cfg = load_resolved(resolved)
+    cfg = load_resolved(pending)
     model_path, _ = resolve_model(cfg.model, cfg.run.output_dir)  # builds a tiny model once
-    data = prepare_data(cfg)
+    data = prepare_data(cfg)  # raises on bad data before writing anything; a retry reads `pending` again
+    resolved = commit_resolved(pending)
     get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
     return {"train": str(data.train), "val": str(data.val) if data.val else None, "hash": data.manifest_sha256,
-            "base_model": model_path}
+            "base_model": model_path, "resolved": str(resolved)}
 
 
 @task(name="start-tracking", cache_policy=NO_CACHE)

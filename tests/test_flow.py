@@ -173,3 +173,30 @@ def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp
     assert result["model"] == str(out / "grpo" / "final")
     logged = [h["step"] for h in state["log_history"] if "loss" in h]
     assert logged == [1, 2, 3]  # step 1 restored from checkpoint-1, steps 2-3 trained by the retry
+
+
+def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_path):
+    """A finished run's folder, then a run with a malformed data line into it: the flow fails at sampling,
+    naming file:line, and every file of the earlier run is byte for byte as it was."""
+    import hashlib
+
+    out = tmp_path / "run"
+    _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "grpo.enabled=false", "eval.enabled=false",
+                "tracking.backend=none"])
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
+    assert out / "config.resolved.yaml" in before and out / "data" / "train.jsonl" in before
+
+    [demo_json] = (out).glob("demo_data-*/train.json")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"image": str(demo_json.parent / "images" / "train_00000.png"), "problem": "p",
+                               "solution": [1, 1, 9, 9]}) + "\n{not json\n")
+    from flows.pipeline import vlm_pipeline
+
+    state = vlm_pipeline(config=DEMO, overrides=[f"run.output_dir={out}", *SMALL, "data.demo=null",
+                                                 f"data.datasets=[{{json_path: {bad}}}]", "tracking.backend=none"],
+                         return_state=True)
+    assert state.is_failed()
+    assert f"{bad}:2" in str(state.message) or f"{bad}:2" in repr(state.result(raise_on_failure=False))
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
+    assert {p: h for p, h in after.items() if p in before} == before  # nothing of the earlier run changed
+    assert {p.name for p in after.keys() - before.keys()} <= {".config.pending.yaml"}  # nothing half-written

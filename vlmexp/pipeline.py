@@ -15,6 +15,7 @@ from pathlib import Path
 from vlmexp.config import Config
 
 RESOLVED_NAME = "config.resolved.yaml"
+PENDING_NAME = ".config.pending.yaml"
 KEY_FILE = "stage_key.json"
 
 
@@ -23,11 +24,23 @@ class StageFailed(RuntimeError):
 
 
 def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
-    """Load and validate (all problems at once); write <output_dir>/config.resolved.yaml."""
+    """Load and validate (all problems at once); write the resolved config as <output_dir>/.config.pending.yaml.
+
+    It becomes config.resolved.yaml (`commit_resolved`) only once the data sampled cleanly, so a run that
+    fails on its input leaves an existing run's config.resolved.yaml as it was.
+    """
     from vlmexp.config_loader import dump_config, load_config
 
     cfg = load_config(config, overrides, check_paths=True)
-    return cfg, dump_config(cfg, Path(cfg.run.output_dir) / RESOLVED_NAME)
+    return cfg, dump_config(cfg, Path(cfg.run.output_dir) / PENDING_NAME)
+
+
+def commit_resolved(pending: str | Path) -> Path:
+    """Move the pending resolved config into place (atomic rename); return config.resolved.yaml's path."""
+    pending = Path(pending)
+    final = pending.with_name(RESOLVED_NAME)
+    os.replace(pending, final)
+    return final
 
 
 def load_resolved(resolved: str | Path) -> Config:
