@@ -250,12 +250,14 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last,
                  os.environ.get("MLFLOW_RUN_ID"))
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
+    from mlflow.exceptions import MlflowException
+
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
-    except Exception as e:
+    except MlflowException as e:
         # transformers' MLflowCallback ends the MLflow run in on_train_end, after the last checkpoint: a
         # store that went away mid-run must not cost the finished model (the pipeline closes the run)
-        if type(e).__name__ != "MlflowException" or trainer.state.global_step < trainer.state.max_steps:
+        if trainer.state.global_step < trainer.state.max_steps:
             raise
         log.warning("training finished, but MLflow could not close the run (%s); saving the model",
                     str(e).splitlines()[0][:300])
