@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,22 @@ def test_train_cli_runs_a_stage(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+def test_a_stage_run_by_hand_resamples_its_data_the_pipeline_samples_once(tmp_path, monkeypatch):
+    from vlmexp.train.common import SAMPLED_ENV, prepare_stage
+
+    monkeypatch.delenv(SAMPLED_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    first = prepare_stage(_cfg(tmp_path), "sft").train_path
+    assert len(first.read_text().splitlines()) == 16
+    # the data section changed since the last run into this folder: the stage trains on the new sample
+    prepare_stage(_cfg(tmp_path, "data.demo.train=10"), "sft")
+    assert len(first.read_text().splitlines()) == 10
+    # under the pipeline, its sample task already wrote the data for this config: nothing is resampled
+    monkeypatch.setenv(SAMPLED_ENV, "1")
+    first.write_text(first.read_text().splitlines()[0] + "\n")
+    prepare_stage(_cfg(tmp_path), "sft")
+    assert len(first.read_text().splitlines()) == 1
+    # the ready marker names this launch, so other ranks of a later launch never take an old one for it
+    assert (tmp_path / ".prepared").read_text().endswith(f":{os.getpid()}")

@@ -89,8 +89,10 @@ def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
 
 
 def stage_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment plus `extra`, for a stage subprocess."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    """This process's environment plus `extra`, for a stage subprocess (whose data the pipeline sampled)."""
+    from vlmexp.train.common import SAMPLED_ENV
+
+    return {**os.environ, "PYTHONUNBUFFERED": "1", SAMPLED_ENV: "1", **extra}
 
 
 def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str], None], tail: int = 40,

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from vlmexp.errors import ConfigError, Problem
 from vlmexp.families import Family
 
 log = logging.getLogger("vlmexp.train")
+
+# Set by the pipeline for its stage processes: the data was sampled by its own task for this config.
+SAMPLED_ENV = "VLMEXP_DATA_SAMPLED"
 
 
 @dataclass
@@ -73,19 +77,25 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None) -> Sta
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Every rank of a launch gets here: local rank 0 builds (tiny model, sampled data), the others wait for
-    # it, since a non-zero rank's save_pretrained may skip the weights once torch.distributed is up.
+    # it, since a non-zero rank's save_pretrained may skip the weights once torch.distributed is up. The
+    # ready marker names this launch (host and launcher pid), so a marker left by an earlier launch never
+    # lets a rank read data that rank 0 is about to resample.
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    launch = f"{socket.gethostname()}:{os.getppid() if 'LOCAL_RANK' in os.environ else os.getpid()}"
     train_path, ready = out / "data" / "train.jsonl", out / ".prepared"
     for _ in range(3600):
         with FileLock(out / ".prepare.lock"):
-            if first or (ready.is_file() and train_path.is_file()):
+            if first or (ready.is_file() and ready.read_text() == launch and train_path.is_file()):
                 if model_path is None:
                     model_path, family = resolve_model(cfg.model, out)
                 else:
                     family = detect_family(adapter_base(model_path) or model_path)
-                if not train_path.is_file():
+                # The pipeline samples once in its own task before any stage (SAMPLED_ENV); a stage run by
+                # hand samples here, so a changed data section or source never trains on stale records.
+                if first and (os.environ.get(SAMPLED_ENV) != "1" or not train_path.is_file()):
                     train_path = prepare_data(cfg).train
-                ready.touch()
+                if first:
+                    ready.write_text(launch)
                 break
         time.sleep(1)
     else:
