@@ -16,6 +16,8 @@ from vlmexp.data.sample import sample_sources
 from vlmexp.data.sources import load_data_yaml
 from vlmexp.errors import DataError
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture
 def imgs(tmp_path) -> Path:
@@ -204,3 +206,32 @@ def test_demo_data_is_valid_rec_and_deterministic(tmp_path, demo_data):
         make_demo_data(again, train=2, val=2)
     res = sample_sources(load_data_yaml(demo_data / "val.yaml"), tmp_path / "v.jsonl", 0)
     assert res.rows == 8
+
+
+def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
+    from PIL import Image
+
+    from vlmexp.config_loader import load_config
+    from vlmexp.data.demo import COLORS
+    from vlmexp.data.prepare import prepare_data
+    from vlmexp.errors import ConfigError
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=6",
+                                                   "data.demo.val=2", "data.demo.width=[112,112]",
+                                                   "data.demo.height=[96,96]", "data.demo.objects=[1,1]",
+                                                   "data.demo.background=gradient"])
+    rows = [json.loads(line) for line in prepare_data(cfg).train.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["image_sizes"] == [[112, 96]] for r in rows)
+    image = Image.open(rows[0]["image_paths"][0]).convert("RGB")
+    x1, y1, x2, y2 = rows[0]["solution"]
+    # one shape; outside it the red shade rises with x and the green with y
+    corners = [image.getpixel(p) for p in ((0, 0), (111, 0), (0, 95))]
+    assert corners[1][0] > corners[0][0] + 90 and corners[2][1] > corners[0][1] + 90
+    assert image.getpixel(((x1 + x2) // 2, (y1 + y2) // 2)) in COLORS.values()
+    # a changed scene setting generates a new dataset instead of reusing the folder
+    other = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=6",
+                                                     "data.demo.val=2"])
+    assert other.data.demo.folder_name() != cfg.data.demo.folder_name()
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/demo.yaml", ["data.demo.width=[300,200]"])
+    assert "data.demo" in str(err.value) and "[300, 200]" in str(err.value)

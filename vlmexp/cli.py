@@ -54,6 +54,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     The one place the library's command line reaches up into flows/ (the library itself never imports
     prefect): `vlmexp run` is a shortcut for calling the flow.
     """
+    import os
+
+    if not os.environ.get("PREFECT_API_URL"):
+        # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
+        # fresh sqlite database, logs "database is locked" tracebacks into the demo's output.
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import vlm_pipeline
 
     result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)

@@ -145,6 +145,29 @@ class DemoDataConfig(Section):
     train: PositiveInt = 256
     val: PositiveInt = 64
     seed: int = 0
+    width: tuple[PositiveInt, PositiveInt] = Field((160, 320), description="Image width range [low, high].")
+    height: tuple[PositiveInt, PositiveInt] = Field((120, 280), description="Image height range [low, high].")
+    objects: tuple[PositiveInt, PositiveInt] = Field((2, 3), description="Shapes per image [low, high].")
+    background: Literal["plain", "gradient"] = Field(
+        "plain", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
+        "has no absolute position embedding, can see where a shape is.")
+
+    @model_validator(mode="after")
+    def _scenes(self) -> DemoDataConfig:
+        self.scenes()  # raises ValueError with the ranges that cannot work
+        return self
+
+    def scenes(self):
+        from vlmexp.data.demo import Scenes
+
+        return Scenes(tuple(self.width), tuple(self.height), tuple(self.objects), self.background)
+
+    def folder_name(self) -> str:
+        """Where under run.output_dir this dataset is generated; any setting that changes it changes the name."""
+        import hashlib
+
+        scenes = hashlib.sha256(repr(self.scenes()).encode()).hexdigest()[:8]
+        return f"demo_data-{self.train}-{self.val}-{self.seed}-{scenes}"
 
 
 class DataConfig(Section):

@@ -11,6 +11,7 @@ import json
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -32,17 +33,49 @@ def _place(rng: random.Random, w: int, h: int, side: int, boxes: list[list[int]]
     return None
 
 
-def make_image(rng: random.Random):
+@dataclass(frozen=True)
+class Scenes:
+    """What the generated images look like: size ranges in pixels and the number of shapes (inclusive)."""
+
+    width: tuple[int, int] = (160, 320)
+    height: tuple[int, int] = (120, 280)
+    objects: tuple[int, int] = (2, 3)
+    background: str = "plain"  # or "gradient": the shade encodes the pixel's x (red) and y (green)
+
+    def __post_init__(self) -> None:
+        for name in ("width", "height", "objects"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi:
+                raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
+        if min(self.width[0], self.height[0]) < 64:
+            raise ValueError(f"scene images must be at least 64 pixels a side, got width {list(self.width)}, "
+                             f"height {list(self.height)}")
+
+
+def _gradient(w: int, h: int):
+    """A background whose red rises left to right and green top to bottom: where a patch lies is in its colour."""
+    from PIL import Image
+
+    ramp = Image.linear_gradient("L")  # 256 x 256, 0 at the top to 255 at the bottom
+    green = ramp.resize((w, h)).point(lambda v: 90 + v * 110 // 255)
+    red = ramp.transpose(Image.Transpose.TRANSPOSE).resize((w, h)).point(lambda v: 90 + v * 110 // 255)
+    blue = Image.new("L", (w, h), 150)
+    return Image.merge("RGB", (red, green, blue))
+
+
+def make_image(rng: random.Random, scenes: Scenes = Scenes()):
     """One image and its objects as (description, box) pairs."""
     from PIL import Image, ImageDraw
 
-    w, h = rng.randint(160, 320), rng.randint(120, 280)
+    w, h = rng.randint(*scenes.width), rng.randint(*scenes.height)
     shade = rng.randint(225, 250)
     image = Image.new("RGB", (w, h), (shade, shade, shade))
+    if scenes.background == "gradient":
+        image = _gradient(w, h)
     draw = ImageDraw.Draw(image)
     objects: list[tuple[str, list[int]]] = []
     seen: set[tuple[str, str, str]] = set()
-    for _ in range(rng.randint(2, 3)):
+    for _ in range(rng.randint(*scenes.objects)):
         size, color, shape = rng.choice(list(SIZES)), rng.choice(list(COLORS)), rng.choice(SHAPES)
         if (size, color, shape) in seen:
             continue
@@ -64,7 +97,8 @@ def make_image(rng: random.Random):
     return image, objects
 
 
-def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: int = 0) -> Path:
+def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: int = 0,
+                   scenes: Scenes = Scenes()) -> Path:
     """Write images/, train.json, val.json, train.yaml and val.yaml under `out_dir`; return it.
 
     Written to a temporary sibling and renamed, so `out_dir` is complete or absent.
@@ -82,7 +116,7 @@ def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: i
         for split, count in (("train", train), ("val", val)):
             records = []
             for i in range(count):
-                image, objects = make_image(rng)
+                image, objects = make_image(rng, scenes)
                 name = f"images/{split}_{i:05d}.png"
                 image.save(tmp / name)
                 caption, box = rng.choice(objects)

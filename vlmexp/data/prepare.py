@@ -26,9 +26,9 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
     if d.demo is not None:
         from vlmexp.data.demo import make_demo_data
 
-        folder = Path(cfg.run.output_dir) / f"demo_data-{d.demo.train}-{d.demo.val}-{d.demo.seed}"
+        folder = Path(cfg.run.output_dir) / d.demo.folder_name()
         if not (folder / "train.yaml").is_file():
-            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed)
+            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, d.demo.scenes())
         train = load_data_yaml(folder / "train.yaml")
         default_val = load_data_yaml(folder / "val.yaml")
     else:
