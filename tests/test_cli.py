@@ -35,6 +35,14 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(json.loads((tmp_path / "d" / "train.json").read_text())) == 5
     assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 8
+    r = vlmexp("make-demo-data", tmp_path / "g", "--train", 2, "--val", 1, "--width", 112, 112, "--height", 96, 96,
+               "--objects", 1, 1, "--background", "gradient")
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    assert Image.open(tmp_path / "g" / "images" / "train_00000.png").size == (112, 96)
+    r = vlmexp("make-demo-data", tmp_path / "b", "--width", 300, 200)
+    assert r.returncode == 2 and "--width" in r.stderr and "[300, 200]" in r.stderr and not (tmp_path / "b").exists()
 
 
 def test_run_demo_builds_model_and_samples(tmp_path):

@@ -31,9 +31,14 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
-    from vlmexp.data.demo import make_demo_data
+    from vlmexp.data.demo import Scenes, make_demo_data
 
-    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed)
+    try:
+        scenes = Scenes(tuple(args.width), tuple(args.height), tuple(args.objects), args.background)
+    except ValueError as e:
+        raise VlmexpError([Problem("make-demo-data", "--width/--height/--objects",
+                                   f"{e}; give LOW HIGH with 0 < LOW <= HIGH, images at least 64 pixels a side")]) from e
+    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes)
     print(f"wrote {args.train} train and {args.val} val records to {out} (data YAMLs: train.yaml, val.yaml)")
     return 0
 
@@ -64,6 +69,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)
     print(result["summary"])
+    # Send the flow's last log lines while the temporary server is up: at exit Prefect stops the server
+    # first and then waits 5 s for a log worker that can no longer reach it.
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
     return 0
 
 
@@ -191,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=int, default=256)
     p.add_argument("--val", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int, nargs=2, default=[160, 320], metavar=("LOW", "HIGH"), help="image widths")
+    p.add_argument("--height", type=int, nargs=2, default=[120, 280], metavar=("LOW", "HIGH"), help="image heights")
+    p.add_argument("--objects", type=int, nargs=2, default=[2, 3], metavar=("LOW", "HIGH"), help="shapes per image")
+    p.add_argument("--background", choices=("plain", "gradient"), default="plain",
+                   help="gradient: the shade encodes x and y (what configs/demo.yaml uses)")
     p.set_defaults(func=cmd_make_demo_data)
 
     p = sub.add_parser("sample", help="sample a VLM-R1 data YAML into one JSONL file plus a manifest")
@@ -269,5 +284,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `vlmexp` command (and `python -m vlmexp.cli`, how stages are launched): main(), then the exit work
+    Python does (threads joined, atexit handlers, streams flushed) and no interpreter teardown: tearing
+    down torch's and transformers' module graph took ~3 s after each training stage on the 2-core CI
+    machine (bench/RESULTS.md), and nothing of ours is left to it."""
+    import atexit
+    import os
+    import threading
+
+    code = main()
+    shutdown = getattr(threading, "_shutdown", None)  # what Python runs first at exit: executors told to stop,
+    if shutdown is None:  # non-daemon threads (MLflow's async logging queue) joined
+        sys.exit(code)
+    shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
