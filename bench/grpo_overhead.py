@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,8 +67,8 @@ json.dump(trainer.state.log_history, open(Path(out) / "log_history.json", "w"))
 '''
 
 
-def call(command: list[str]) -> None:
-    r = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+def call(command: list[str], env: dict[str, str] | None = None) -> None:
+    r = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
     if r.returncode != 0:
         raise SystemExit(f"{command[:4]} failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
@@ -85,15 +86,19 @@ def run_plain(model: str, train: str, work: Path, steps: int) -> list[float]:
 
 def run_vlmexp(work: Path, steps: int) -> list[float]:
     out = work / f"vlmexp-{time.monotonic_ns()}"
+    same = ("per_device_train_batch_size", "num_generations", "max_completion_length", "temperature",
+            "learning_rate", "beta")  # the plain script's values, whatever configs/demo.yaml says
     overrides = [f"run.output_dir={out}", "tracking.backend=none", f"grpo.args.max_steps={steps}",
-                 f"grpo.args.save_steps={steps}", "grpo.args.logging_steps=1", "grpo.rewards=[{name: iou}]"]
+                 f"grpo.args.save_steps={steps}", "grpo.args.logging_steps=1", "grpo.rewards=[{name: iou}]",
+                 *(f"grpo.args.{k}={ARGS[k]}" for k in same)]
     # share the built model and sampled data, so both sides read the same files
     for name in ("models", "data"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).symlink_to(work / "shared" / name)
     (out / next((work / "shared").glob("demo_data-*")).name).symlink_to(next((work / "shared").glob("demo_data-*")))
-    (out / ".prepared").touch()
-    call([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml", *overrides])
+    # as under the pipeline: the data is sampled already, the stage does not sample it again
+    call([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml", *overrides],
+         env={"VLMEXP_DATA_SAMPLED": "1"})
     state = json.loads((out / "grpo" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     return step_times(state["log_history"])
 

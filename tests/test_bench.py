@@ -20,3 +20,24 @@ def test_gpu_grpo_bench_runs_at_the_tiny_shape(tmp_path):
     # every completion has exactly new_tokens tokens (EOS suppressed), so the token counts are fixed
     assert result["generation_tokens_per_s"] > 0 and result["update_tokens_per_s"] > 0
     assert 0 < result["update_mfu"] < 1 and set(result["phases_s"]) == {"generation_s", "logprob_pass_s", "update_s"}
+
+
+def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
+    import datetime
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from pipeline_overhead import prefect_phases
+
+    start = datetime.datetime(2026, 11, 21, 23, 59, 58).timestamp()
+    log = "\n".join([
+        "23:59:59.000 | INFO    | prefect - Starting temporary server on http://127.0.0.1:8814",
+        "00:00:04.500 | INFO    | Flow run 'bold-lab' - Beginning flow run 'bold-lab' for flow 'vlm-pipeline'",
+        "00:00:05.000 | INFO    | Task run 'train-stage-0c0' - running python -m vlmexp.cli train sft",
+        "00:00:09.000 | INFO    | Task run 'train-stage-0c0' - Finished in state Completed()",
+        "some subprocess line without a timestamp",
+        "00:00:12.000 | INFO    | Task run 'train-stage-1ab' - Finished in state Completed()",
+        "00:00:12.250 | INFO    | Flow run 'bold-lab' - Finished in state Completed()",
+    ])
+    phases = prefect_phases(log, start, start + 15.0)
+    assert phases == {"python and prefect import": 1.0, "temporary server start": 5.5, "train-stage": 7.5,
+                      "flow end": 0.25, "exit after the last log line": 0.75}
