@@ -201,10 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=int, default=256)
     p.add_argument("--val", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--width", type=int, nargs=2, default=[160, 320], metavar=("LOW", "HIGH"), help="image widths")
-    p.add_argument("--height", type=int, nargs=2, default=[120, 280], metavar=("LOW", "HIGH"), help="image heights")
-    p.add_argument("--objects", type=int, nargs=2, default=[2, 3], metavar=("LOW", "HIGH"), help="shapes per image")
-    p.add_argument("--background", choices=("plain", "gradient"), default="plain",
+    from vlmexp.data.demo import Scenes  # light: the defaults live there once
+
+    p.add_argument("--width", type=int, nargs=2, default=Scenes.width, metavar=("LOW", "HIGH"), help="image widths")
+    p.add_argument("--height", type=int, nargs=2, default=Scenes.height, metavar=("LOW", "HIGH"),
+                   help="image heights")
+    p.add_argument("--objects", type=int, nargs=2, default=Scenes.objects, metavar=("LOW", "HIGH"),
+                   help="shapes per image")
+    p.add_argument("--background", choices=("plain", "gradient"), default=Scenes.background,
                    help="gradient: the shade encodes x and y (what configs/demo.yaml uses)")
     p.set_defaults(func=cmd_make_demo_data)
 

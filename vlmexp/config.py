@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from vlmexp.data.demo import Scenes
 from vlmexp.families import FAMILIES, TINY_PREFIX
 
 Task = Literal["rec", "math", "exact"]
@@ -145,11 +146,11 @@ class DemoDataConfig(Section):
     train: PositiveInt = 256
     val: PositiveInt = 64
     seed: int = 0
-    width: tuple[PositiveInt, PositiveInt] = Field((160, 320), description="Image width range [low, high].")
-    height: tuple[PositiveInt, PositiveInt] = Field((120, 280), description="Image height range [low, high].")
-    objects: tuple[PositiveInt, PositiveInt] = Field((2, 3), description="Shapes per image [low, high].")
+    width: tuple[PositiveInt, PositiveInt] = Field(Scenes.width, description="Image width range [low, high].")
+    height: tuple[PositiveInt, PositiveInt] = Field(Scenes.height, description="Image height range [low, high].")
+    objects: tuple[PositiveInt, PositiveInt] = Field(Scenes.objects, description="Shapes per image [low, high].")
     background: Literal["plain", "gradient"] = Field(
-        "plain", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
+        Scenes.background, description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
         "has no absolute position embedding, can see where a shape is.")
 
     @model_validator(mode="after")
@@ -157,9 +158,7 @@ class DemoDataConfig(Section):
         self.scenes()  # raises ValueError with the ranges that cannot work
         return self
 
-    def scenes(self):
-        from vlmexp.data.demo import Scenes
-
+    def scenes(self) -> Scenes:
         return Scenes(tuple(self.width), tuple(self.height), tuple(self.objects), self.background)
 
     def folder_name(self) -> str:

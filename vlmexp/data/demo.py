@@ -68,10 +68,8 @@ def make_image(rng: random.Random, scenes: Scenes = Scenes()):
     from PIL import Image, ImageDraw
 
     w, h = rng.randint(*scenes.width), rng.randint(*scenes.height)
-    shade = rng.randint(225, 250)
-    image = Image.new("RGB", (w, h), (shade, shade, shade))
-    if scenes.background == "gradient":
-        image = _gradient(w, h)
+    shade = rng.randint(225, 250)  # drawn for every background, so a seed gives the same shapes either way
+    image = _gradient(w, h) if scenes.background == "gradient" else Image.new("RGB", (w, h), (shade,) * 3)
     draw = ImageDraw.Draw(image)
     objects: list[tuple[str, list[int]]] = []
     seen: set[tuple[str, str, str]] = set()
