@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ SAVE_STEPS, MAX_STEPS = 2, 6
 GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4", f"grpo.args.max_steps={MAX_STEPS}",
         f"grpo.args.save_steps={SAVE_STEPS}", "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
         "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
-        "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
+        "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
 
 
 def _train(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -79,7 +80,7 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
                "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=4",
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
                "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.max_new_tokens=8",
-               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
+               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
     first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     deadline = time.monotonic() + 300

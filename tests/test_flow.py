@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs/demo.yaml")
@@ -17,12 +18,16 @@ SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.a
          "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
          "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
          "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
-         "eval.max_new_tokens=12"]
+         "eval.max_new_tokens=12", *SMALL_BATCHES]
 
 
 @pytest.fixture(scope="module")
 def prefect(tmp_path_factory):
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.settings import (
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_LOCAL_STORAGE_PATH,
+        temporary_settings,
+    )
     from prefect.testing.utilities import prefect_test_harness
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_BATCHES
 
 from vlmexp.config_loader import load_config
 from vlmexp.errors import ConfigError
@@ -76,7 +77,7 @@ def test_shipped_accelerate_and_deepspeed_configs_load():
         assert ds["zero_optimization"]["stage"] == (2 if name == "zero2" else 3)
 
 
-TRAIN = ["tracking.backend=none", "data.demo.train=16", "data.demo.val=4"]
+TRAIN = ["tracking.backend=none", "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_BATCHES
 
 from vlmexp.config_loader import load_config
 
@@ -24,7 +25,7 @@ def _weights(folder: Path) -> dict:
 
 def _cfg(tmp_path, *overrides):
     return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "tracking.backend=none",
-                                                    "data.demo.train=16", "data.demo.val=4", *overrides])
+                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, *overrides])
 
 
 def _log_history(stage_dir: Path) -> list[dict]:

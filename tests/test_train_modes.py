@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_BATCHES
 from transformers import PreTrainedModel, TrainerCallback
 
 from vlmexp.config_loader import load_config
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
 
 def _cfg(out, *overrides):
     return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={out}", "tracking.backend=none",
-                                                    "data.demo.train=16", "data.demo.val=4", *overrides])
+                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, *overrides])
 
 
 GRPO_SMALL = ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.logging_steps=1",
