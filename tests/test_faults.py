@@ -81,11 +81,13 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
                "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.max_new_tokens=8",
                "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    first_log = tmp_path / "first.log"
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=first_log.open("w"),
                              start_new_session=True)
     deadline = time.monotonic() + 300
     while not (out / "grpo" / "checkpoint-2" / "trainer_state.json").is_file():
-        assert first.poll() is None and time.monotonic() < deadline, "GRPO never wrote checkpoint-2"
+        assert first.poll() is None and time.monotonic() < deadline, \
+            f"GRPO never wrote checkpoint-2 (exit {first.poll()}):\n{first_log.read_text()[-3000:]}"
         time.sleep(0.5)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
