@@ -1,4 +1,4 @@
-"""The GPU benchmark runs anywhere at the tiny shape, so it stays working between GPU sessions."""
+"""The benchmarks run here at small sizes, so they stay working between the sessions that record figures."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,3 +43,22 @@ def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
     phases = prefect_phases(log, start, start + 15.0)
     assert phases == {"python and prefect import": 1.0, "temporary server start": 5.5, "train-stage": 7.5,
                       "flow end": 0.25, "exit after the last log line": 0.75}
+
+
+@pytest.mark.parametrize("mode", ["processes", "in-process"])
+def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
+    out = tmp_path / "r.json"
+    flags = ["--in-process"] if mode == "in-process" else []
+    r = subprocess.run([sys.executable, "bench/grpo_overhead.py", "--rounds", "1", "--steps", "4",
+                        "--prompts-per-step", "1", *flags, "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == mode
+    assert result["args"]["gradient_accumulation_steps"] == 1 and result["args"]["num_generations"] == 8
+    for side in ("plain_trl_step_s", "vlmexp_step_s"):  # 4 steps, the first two dropped as warm-up
+        assert result[side]["n"] == 2 and result[side]["median"] > 0
+    assert result["ratio"] == result["vlmexp_step_s"]["median"] / result["plain_trl_step_s"]["median"]
+    # same prompt text, seed and arguments: both sides generate the same completions
+    plain, ours = result["plain_completion_length"], result["vlmexp_completion_length"]
+    assert 0 < plain <= 48 and abs(ours - plain) <= 0.02 * plain

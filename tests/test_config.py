@@ -107,6 +107,9 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
     assert "grpo.args.learning_rat" in joined and "did you mean 'learning_rate'" in joined
     assert "grpo.args.max_steps = 'many'" in joined and "valid integer" in joined
     assert "grpo.args.output_dir" in joined and "run.output_dir" in joined
+    p = _write(tmp_path, BASE + "grpo:\n  args:\n    save_strategy: no\n")  # YAML 1.1: no is False
+    [msg] = _problems(p)
+    assert "grpo.args.save_strategy = False" in msg and 'quote it, e.g. save_strategy: "no"' in msg
     p = _write(tmp_path, BASE + "grpo:\n  args:\n    num_generations: 3\n    per_device_train_batch_size: 4\n")
     [msg] = _problems(p)
     assert "divisible by num_generations" in msg and f"{p}:6" in msg

@@ -70,7 +70,10 @@ def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], l
             out[key] = adapter.validate_python(value)
         except ValidationError as e:
             reason = e.errors()[0]["msg"]
-            problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); change the value"))
+            fix = "change the value"
+            if isinstance(value, bool):  # YAML 1.1 reads unquoted no/yes/off/on as booleans
+                fix = f"YAML read an unquoted word (no, yes, off, on) as {value}; quote it, e.g. {key}: \"no\""
+            problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); {fix}"))
     return out, problems
 
 

@@ -19,6 +19,13 @@ from vlmexp.train.common import (
 
 def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()) -> Path:
     """Train with trl.GRPOTrainer from the base model or `model_path` (the SFT stage's model or adapter)."""
+    trainer, inputs, rows = build_grpo_trainer(cfg, model_path, callbacks)
+    return train_and_save(trainer, inputs, rows)
+
+
+def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()):
+    """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
+    generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
     from trl import GRPOTrainer
 
     from vlmexp.rewards import build_reward
@@ -38,7 +45,7 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
                           processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     with_callbacks(trainer, first=[RewardFailureMetrics(rewards)],
                    last=[CompletionTable(rewards, cfg.tracking.completions_every, cfg.tracking.completions_per_table)])
-    return train_and_save(trainer, inputs, len(train_dataset))
+    return trainer, inputs, len(train_dataset)
 
 
 def check_one_prompt_per_generation_batch(args, train_path: Path) -> None:
