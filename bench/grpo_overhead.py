@@ -7,7 +7,8 @@ Alternates A (plain TRL, bench/plain_trl_grpo.py) and B (vlmexp) `--rounds` time
 median and spread of TRL's own `step_time` per optimizer step (first two steps of each run dropped as
 warm-up), and the ratio B / A. Each run is a fresh process (`vlmexp train grpo` for B); with --in-process
 both trainers (B: vlmexp.train.grpo.build_grpo_trainer, what `vlmexp train grpo` trains) are built once in
-this process and trained in turn, which takes process-to-process spread out of the comparison. Both sides
+this process and take turns one optimizer step at a time (see Turns), which takes the machine's drift out
+of the comparison, and each side's whole turn (logging, callbacks, optimizer update) is timed too. Both sides
 train the tiny Qwen2.5-VL on the demo data with the IoU reward, tracking off, at the demo's GRPO step
 (ARGS: 8 prompts x G 8, 48 new tokens) and from vlmexp's prompt text, so the work per step is the same;
 the mean completion length of each side is reported to show it.
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +38,8 @@ SAME = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_gener
 
 
 def call(command: list[str], env: dict[str, str] | None = None) -> None:
-    r = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
+    r = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})},
+                       check=False)
     if r.returncode != 0:
         raise SystemExit(f"{command[:4]} failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
@@ -90,31 +93,114 @@ def run_vlmexp(work: Path, steps: int) -> tuple[list[float], list[float]]:
     return step_times(state["log_history"])
 
 
-def in_process(model: str, train: str, work: Path, steps: int, rounds: int) -> dict[str, tuple[list, list]]:
-    """Both trainers in this process, trained in turn (the order swaps every round)."""
+class Turns:
+    """Two trainers, each in its own thread, take turns one optimizer step at a time: a step runs only while
+    its side holds the turn, so the two never share the CPU, and whatever slows the machine down for a
+    minute slows both sides alike. Each side keeps its own random state across the turns, so both sample
+    the same completions from the same seed, as in fresh processes."""
+
+    def __init__(self, first: str):
+        self.cond, self.turn, self.finished = threading.Condition(), first, set()
+        self.rng: dict[str, tuple] = {}
+        self.walls: dict[str, list[float]] = {"plain": [], "vlmexp": []}
+
+    def acquire(self, side: str) -> None:
+        import random
+
+        import numpy as np
+        import torch
+        from transformers import set_seed
+
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == side or (self.finished - {side}))
+        if side in self.rng:
+            py, npy, pt = self.rng[side]
+            random.setstate(py), np.random.set_state(npy), torch.set_rng_state(pt)
+        else:
+            set_seed(ARGS["seed"])
+        self.started = time.perf_counter()
+
+    def release(self, side: str, finished: bool = False) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        if self.turn == side:
+            self.walls[side].append(time.perf_counter() - self.started)
+        self.rng[side] = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        with self.cond:
+            if finished:
+                self.finished.add(side)
+            self.turn = "vlmexp" if side == "plain" else "plain"
+            self.cond.notify_all()
+
+
+def turn_callback(turns: Turns, side: str):
+    from transformers import TrainerCallback
+
+    class TakeTurns(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            turns.acquire(side)
+
+        def on_step_end(self, args, state, control, **kwargs):  # after this step's optimizer update
+            turns.release(side)
+            turns.acquire(side)  # this side's next turn starts with the log of the step just done
+
+        def on_train_end(self, args, state, control, **kwargs):
+            turns.release(side, finished=True)
+
+    return TakeTurns()
+
+
+def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
+    """Both trainers built once in this process, then trained `rounds` times, taking turns step by step
+    (the side that starts swaps every round). Returns the per-step times and lengths of each side, and
+    each side's turn walls: TRL's step_time leaves out the optimizer step, the callbacks and the logging;
+    a turn includes them (the previous step's logging, fetching the batch, the step, the update)."""
     sys.path.insert(0, str(REPO / "bench"))
     from plain_trl_grpo import build
-    from transformers import set_seed
 
     from vlmexp.config_loader import load_config
     from vlmexp.train.grpo import build_grpo_trainer
 
     os.environ.update(SAMPLED)
-    out, overrides = vlmexp_side(work, steps)
+    _, overrides = vlmexp_side(work, steps)
     cfg = load_config(REPO / "configs" / "demo.yaml", [*overrides, 'grpo.args.save_strategy="no"'])
     trainers = {"plain": build(model, train, str(work / "plain"), {**ARGS, "max_steps": steps}, prompt_template()),
                 "vlmexp": build_grpo_trainer(cfg)[0]}
     times: dict[str, tuple[list, list]] = {"plain": ([], []), "vlmexp": ([], [])}
+    walls: dict[str, list[float]] = {"plain": [], "vlmexp": []}
     for i in range(rounds):
-        for side in ("plain", "vlmexp") if i % 2 == 0 else ("vlmexp", "plain"):
-            set_seed(ARGS["seed"])  # both sides sample from the same random stream, as in fresh processes
-            trainers[side].train()  # a new TrainerState, optimizer and schedule each time
-            seconds, lengths = step_times(trainers[side].state.log_history)
+        turns = Turns(first="plain" if i % 2 == 0 else "vlmexp")
+        errors: list[BaseException] = []
+        threads, callbacks = [], {side: turn_callback(turns, side) for side in trainers}
+        for side, trainer in trainers.items():
+            trainer.add_callback(callbacks[side])
+
+            def train(trainer=trainer, side=side, turns=turns, errors=errors):
+                try:
+                    trainer.train()  # a new TrainerState, optimizer and schedule each time
+                except Exception as e:  # noqa: BLE001 - re-raised below, once the other side has finished
+                    errors.append(e)
+                    turns.release(side, finished=True)  # the other side must not wait for this one
+
+            threads.append(threading.Thread(target=train, name=side))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        for side, trainer in trainers.items():
+            trainer.remove_callback(callbacks[side])
+            seconds, lengths = step_times(trainer.state.log_history)
             times[side][0].extend(seconds)
             times[side][1].extend(lengths)
+            walls[side].extend(turns.walls[side][2:-1])  # the steps step_times keeps (the last turn only logs)
         print(f"round {i + 1}: plain median {statistics.median(times['plain'][0]):.3f}s, vlmexp median "
               f"{statistics.median(times['vlmexp'][0]):.3f}s", flush=True)
-    return times
+    return times, walls
 
 
 def main() -> None:
@@ -136,8 +222,9 @@ def main() -> None:
         [model] = (work / "shared" / "models").glob("tiny-*")
         train = str(work / "shared" / "data" / "train.jsonl")
         if args.in_process:
-            times = in_process(str(model), train, work, args.steps, args.rounds)
+            times, walls = in_process(str(model), train, work, args.steps, args.rounds)
         else:
+            walls = None
             times = {"plain": ([], []), "vlmexp": ([], [])}
             for i in range(args.rounds):
                 for side, run in (("plain", lambda: run_plain(str(model), train, work, args.steps)),
@@ -154,6 +241,9 @@ def main() -> None:
               # the same work on both sides: tokens generated per completion
               "plain_completion_length": statistics.mean(plain_len),
               "vlmexp_completion_length": statistics.mean(our_len)}
+    if walls:  # each step's whole turn: the previous step's logging, the batch, the step, the update
+        result.update(turn_s={side: summary(w) for side, w in walls.items()},
+                      turn_ratio=statistics.median(walls["vlmexp"]) / statistics.median(walls["plain"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

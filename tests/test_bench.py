@@ -59,6 +59,13 @@ def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
     for side in ("plain_trl_step_s", "vlmexp_step_s"):  # 4 steps, the first two dropped as warm-up
         assert result[side]["n"] == 2 and result[side]["median"] > 0
     assert result["ratio"] == result["vlmexp_step_s"]["median"] / result["plain_trl_step_s"]["median"]
+    if mode == "in-process":  # each step's whole turn: logging, batch, step, optimizer update
+        turns = result["turn_s"]
+        for side, step_s in (("plain", "plain_trl_step_s"), ("vlmexp", "vlmexp_step_s")):
+            assert turns[side]["n"] == 2 and turns[side]["median"] >= result[step_s]["median"]
+        assert result["turn_ratio"] == turns["vlmexp"]["median"] / turns["plain"]["median"]
+    else:
+        assert "turn_s" not in result
     # same prompt text, seed and arguments: both sides generate the same completions
     plain, ours = result["plain_completion_length"], result["vlmexp_completion_length"]
     assert 0 < plain <= 48 and abs(ours - plain) <= 0.02 * plain
