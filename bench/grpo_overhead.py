@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # the demo's GRPO step (configs/demo.yaml): 8 prompts x G 8 per optimizer step, 48 new tokens
@@ -48,6 +49,15 @@ def step_times(history: list[dict]) -> tuple[list[float], list[float]]:
     """(seconds, mean completion length) per optimizer step, the first two steps dropped as warm-up."""
     steps = [h for h in history if "step_time" in h][2:]
     return [h["step_time"] for h in steps], [h["completions/mean_length"] for h in steps]
+
+
+def prepare_shared(work: Path) -> tuple[str, str]:
+    """Build the tiny model and sample the demo data once under work/shared; (model folder, train.jsonl)."""
+    call([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
+          f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
+          "sft.args.save_steps=1"])
+    [model] = (work / "shared" / "models").glob("tiny-*")
+    return str(model), str(work / "shared" / "data" / "train.jsonl")
 
 
 def prompt_template() -> str:
@@ -94,15 +104,15 @@ def run_vlmexp(work: Path, steps: int) -> tuple[list[float], list[float]]:
 
 
 class Turns:
-    """Two trainers, each in its own thread, take turns one optimizer step at a time: a step runs only while
-    its side holds the turn, so the two never share the CPU, and whatever slows the machine down for a
-    minute slows both sides alike. Each side keeps its own random state across the turns, so both sample
-    the same completions from the same seed, as in fresh processes."""
+    """Trainers, each in its own thread, take turns one optimizer step at a time, round robin in `order`:
+    a step runs only while its side holds the turn, so the sides never share the CPU, and whatever slows
+    the machine down for a minute slows every side alike. Each side keeps its own random state across
+    the turns, so all sample the same completions from the same seed, as in fresh processes."""
 
-    def __init__(self, first: str):
-        self.cond, self.turn, self.finished = threading.Condition(), first, set()
+    def __init__(self, order: list[str]):
+        self.cond, self.order, self.turn, self.finished = threading.Condition(), order, order[0], set()
         self.rng: dict[str, tuple] = {}
-        self.walls: dict[str, list[float]] = {"plain": [], "vlmexp": []}
+        self.walls: dict[str, list[float]] = {side: [] for side in order}
 
     def acquire(self, side: str) -> None:
         import random
@@ -112,7 +122,7 @@ class Turns:
         from transformers import set_seed
 
         with self.cond:
-            self.cond.wait_for(lambda: self.turn == side or (self.finished - {side}))
+            self.cond.wait_for(lambda: self.turn == side)
         if side in self.rng:
             py, npy, pt = self.rng[side]
             random.setstate(py), np.random.set_state(npy), torch.set_rng_state(pt)
@@ -132,7 +142,9 @@ class Turns:
         with self.cond:
             if finished:
                 self.finished.add(side)
-            self.turn = "vlmexp" if side == "plain" else "plain"
+            i = self.order.index(side)
+            waiting = [s for s in self.order[i + 1:] + self.order[:i + 1] if s not in self.finished]
+            self.turn = waiting[0] if waiting else None
             self.cond.notify_all()
 
 
@@ -153,26 +165,16 @@ def turn_callback(turns: Turns, side: str):
     return TakeTurns()
 
 
-def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
-    """Both trainers built once in this process, then trained `rounds` times, taking turns step by step
-    (the side that starts swaps every round). Returns the per-step times and lengths of each side, and
-    each side's turn walls: TRL's step_time leaves out the optimizer step, the callbacks and the logging;
-    a turn includes them (the previous step's logging, fetching the batch, the step, the update)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from plain_trl_grpo import build
-
-    from vlmexp.config_loader import load_config
-    from vlmexp.train.grpo import build_grpo_trainer
-
-    os.environ.update(SAMPLED)
-    _, overrides = vlmexp_side(work, steps)
-    cfg = load_config(REPO / "configs" / "demo.yaml", [*overrides, 'grpo.args.save_strategy="no"'])
-    trainers = {"plain": build(model, train, str(work / "plain"), {**ARGS, "max_steps": steps}, prompt_template()),
-                "vlmexp": build_grpo_trainer(cfg)[0]}
-    times: dict[str, tuple[list, list]] = {"plain": ([], []), "vlmexp": ([], [])}
-    walls: dict[str, list[float]] = {"plain": [], "vlmexp": []}
+def train_in_turns(trainers: dict[str, Any], rounds: int):
+    """Train every trainer `rounds` times, taking turns step by step (the side that starts rotates every
+    round). Returns each side's per-step (times, lengths) and its turn walls: TRL's step_time leaves out
+    the optimizer step, the callbacks and the logging; a turn includes them (the previous step's logging,
+    fetching the batch, the step, the update)."""
+    names = list(trainers)
+    times: dict[str, tuple[list, list]] = {side: ([], []) for side in names}
+    walls: dict[str, list[float]] = {side: [] for side in names}
     for i in range(rounds):
-        turns = Turns(first="plain" if i % 2 == 0 else "vlmexp")
+        turns = Turns(names[i % len(names):] + names[:i % len(names)])
         errors: list[BaseException] = []
         threads, callbacks = [], {side: turn_callback(turns, side) for side in trainers}
         for side, trainer in trainers.items():
@@ -181,9 +183,9 @@ def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
             def train(trainer=trainer, side=side, turns=turns, errors=errors):
                 try:
                     trainer.train()  # a new TrainerState, optimizer and schedule each time
-                except Exception as e:  # noqa: BLE001 - re-raised below, once the other side has finished
+                except Exception as e:  # noqa: BLE001 - re-raised below, once the other sides have finished
                     errors.append(e)
-                    turns.release(side, finished=True)  # the other side must not wait for this one
+                    turns.release(side, finished=True)  # the other sides must not wait for this one
 
             threads.append(threading.Thread(target=train, name=side))
         for thread in threads:
@@ -198,9 +200,30 @@ def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
             times[side][0].extend(seconds)
             times[side][1].extend(lengths)
             walls[side].extend(turns.walls[side][2:-1])  # the steps step_times keeps (the last turn only logs)
-        print(f"round {i + 1}: plain median {statistics.median(times['plain'][0]):.3f}s, vlmexp median "
-              f"{statistics.median(times['vlmexp'][0]):.3f}s", flush=True)
+        print(f"round {i + 1}: " + ", ".join(f"{side} median {statistics.median(t[0]):.3f}s"
+                                              for side, t in times.items()), flush=True)
     return times, walls
+
+
+def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
+    """The plain trainer and vlmexp's, built once in this process, trained in turns (train_in_turns)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plain_trl_grpo import build
+
+    from vlmexp.train.grpo import build_grpo_trainer
+
+    trainers = {"plain": build(model, train, str(work / "plain"), {**ARGS, "max_steps": steps}, prompt_template()),
+                "vlmexp": build_grpo_trainer(vlmexp_config(work, steps))[0]}
+    return train_in_turns(trainers, rounds)
+
+
+def vlmexp_config(work: Path, steps: int, extra: tuple[str, ...] = ()):
+    """The config `vlmexp train grpo` would load for a bench run in this process (ARGS pinned, no saves)."""
+    from vlmexp.config_loader import load_config
+
+    os.environ.update(SAMPLED)
+    _, overrides = vlmexp_side(work, steps)
+    return load_config(REPO / "configs" / "demo.yaml", [*overrides, 'grpo.args.save_strategy="no"', *extra])
 
 
 def main() -> None:
@@ -216,18 +239,14 @@ def main() -> None:
     ARGS["gradient_accumulation_steps"] = args.prompts_per_step
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        call([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-              f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
-              "sft.args.save_steps=1"])  # builds the model and samples the data
-        [model] = (work / "shared" / "models").glob("tiny-*")
-        train = str(work / "shared" / "data" / "train.jsonl")
+        model, train = prepare_shared(work)
         if args.in_process:
-            times, walls = in_process(str(model), train, work, args.steps, args.rounds)
+            times, walls = in_process(model, train, work, args.steps, args.rounds)
         else:
             walls = None
             times = {"plain": ([], []), "vlmexp": ([], [])}
             for i in range(args.rounds):
-                for side, run in (("plain", lambda: run_plain(str(model), train, work, args.steps)),
+                for side, run in (("plain", lambda: run_plain(model, train, work, args.steps)),
                                   ("vlmexp", lambda: run_vlmexp(work, args.steps))):
                     seconds, lengths = run()
                     times[side][0].extend(seconds)

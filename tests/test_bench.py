@@ -69,3 +69,19 @@ def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
     # same prompt text, seed and arguments: both sides generate the same completions
     plain, ours = result["plain_completion_length"], result["vlmexp_completion_length"]
     assert 0 < plain <= 48 and abs(ours - plain) <= 0.02 * plain
+
+
+def test_grpo_defaults_bench_measures_each_variant(tmp_path):
+    out = tmp_path / "d.json"
+    r = subprocess.run([sys.executable, "bench/grpo_defaults.py", "--rounds", "1", "--steps", "4",
+                        "--prompts-per-step", "1", "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    variants = json.loads(out.read_text())["variants"]
+    default = "defaults (beta 0, gradient checkpointing on)"
+    assert set(variants) == {default, "beta 0.04 (reference model)", "gradient checkpointing off"}
+    for v in variants.values():
+        assert v["step_s"]["n"] == 2 and v["turn_s"]["n"] == 2 and v["turn_s"]["median"] >= v["step_s"]["median"]
+        assert 0 < v["completion_length"] <= 48
+    assert variants[default]["ratio_to_default"] == 1.0
+    assert variants["beta 0.04 (reference model)"]["overrides"] == ["grpo.args.beta=0.04"]
