@@ -3,8 +3,9 @@
     .venv/bin/python bench/grpo_defaults.py [--rounds 3] [--steps 12] [--prompts-per-step 8]
         [--out bench/results/grpo_defaults.json]
 
-Variants (VARIANTS): the defaults (beta 0: no reference model; TRL's gradient checkpointing on), beta 0.04
-(TRL loads a reference model and runs it on every batch) and gradient checkpointing off. Their trainers
+Variants (VARIANTS): the defaults (beta 0: no reference model; activation checkpointing on, which TRL
+sets under its older name gradient_checkpointing), beta 0.04 (TRL loads a reference model and runs it on
+every batch) and activation checkpointing off. Their trainers
 (vlmexp.train.grpo.build_grpo_trainer) are built once in this process and take turns one optimizer step
 at a time (bench/grpo_overhead.py's train_in_turns), `--rounds` runs of `--steps` steps each. Reported per
 variant: the median and spread of TRL's `step_time` and of whole turns (first two steps of a run
@@ -15,7 +16,6 @@ tiny model's size it would say nothing anyway.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,25 +23,26 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_overhead import ARGS, REPO, prepare_shared, summary, train_in_turns, vlmexp_config
+from grpo_overhead import (
+    ARGS,
+    bench_parser,
+    parse_bench_args,
+    prepare_shared,
+    summary,
+    train_in_turns,
+    vlmexp_config,
+)
 
-DEFAULT = "defaults (beta 0, gradient checkpointing on)"
+DEFAULT = "defaults (beta 0, activation checkpointing on)"
 VARIANTS = {
     DEFAULT: (),
     "beta 0.04 (reference model)": ("grpo.args.beta=0.04",),
-    "gradient checkpointing off": ("grpo.args.gradient_checkpointing=false",),
+    "activation checkpointing off": ("grpo.args.activation_checkpointing=false",),
 }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--prompts-per-step", type=int, default=ARGS["gradient_accumulation_steps"],
-                        help="gradient_accumulation_steps: prompts per optimizer step (default: the demo's)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_defaults.json"))
-    args = parser.parse_args()
-    ARGS["gradient_accumulation_steps"] = args.prompts_per_step  # vlmexp_config pins ARGS
+    args = parse_bench_args(bench_parser(__doc__, "grpo_defaults.json"))
     from vlmexp.train.grpo import build_grpo_trainer
 
     with tempfile.TemporaryDirectory() as tmp:

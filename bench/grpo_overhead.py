@@ -226,17 +226,28 @@ def vlmexp_config(work: Path, steps: int, extra: tuple[str, ...] = ()):
     return load_config(REPO / "configs" / "demo.yaml", [*overrides, 'grpo.args.save_strategy="no"', *extra])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options every GRPO bench here takes; parse with parse_bench_args."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts-per-step", type=int, default=ARGS["gradient_accumulation_steps"],
                         help="gradient_accumulation_steps: prompts per optimizer step (default: the demo's)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / out))
+    return parser
+
+
+def parse_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    args = parser.parse_args()
+    ARGS["gradient_accumulation_steps"] = args.prompts_per_step  # both sides pin ARGS
+    return args
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, "grpo_overhead.json")
     parser.add_argument("--in-process", action="store_true",
                         help="build both trainers once in this process and train them in turn")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_overhead.json"))
-    args = parser.parse_args()
-    ARGS["gradient_accumulation_steps"] = args.prompts_per_step
+    args = parse_bench_args(parser)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, train = prepare_shared(work)

@@ -78,8 +78,8 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     variants = json.loads(out.read_text())["variants"]
-    default = "defaults (beta 0, gradient checkpointing on)"
-    assert set(variants) == {default, "beta 0.04 (reference model)", "gradient checkpointing off"}
+    default = "defaults (beta 0, activation checkpointing on)"
+    assert set(variants) == {default, "beta 0.04 (reference model)", "activation checkpointing off"}
     for v in variants.values():
         assert v["step_s"]["n"] == 2 and v["turn_s"]["n"] == 2 and v["turn_s"]["median"] >= v["step_s"]["median"]
         assert 0 < v["completion_length"] <= 48
