@@ -72,7 +72,8 @@ def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], l
             reason = e.errors()[0]["msg"]
             fix = "change the value"
             if isinstance(value, bool):  # YAML 1.1 reads unquoted no/yes/off/on as booleans
-                fix = f"YAML read an unquoted word (no, yes, off, on) as {value}; quote it, e.g. {key}: \"no\""
+                word = "yes" if value else "no"
+                fix = f"YAML read an unquoted word (no, yes, off, on) as {value}; quote it, e.g. {key}: \"{word}\""
             problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); {fix}"))
     return out, problems
 
