@@ -110,6 +110,9 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
     p = _write(tmp_path, BASE + "grpo:\n  args:\n    save_strategy: no\n")  # YAML 1.1: no is False
     [msg] = _problems(p)
     assert "grpo.args.save_strategy = False" in msg and 'quote it, e.g. save_strategy: "no"' in msg
+    p = _write(tmp_path, BASE + "grpo:\n  sft_adapter: yes\n")  # the typed config tree says the same
+    [msg] = _problems(p)
+    assert "grpo.sft_adapter = True" in msg and 'quote it, e.g. sft_adapter: "yes"' in msg
     p = _write(tmp_path, BASE + "grpo:\n  args:\n    num_generations: 3\n    per_device_train_batch_size: 4\n")
     [msg] = _problems(p)
     assert "divisible by num_generations" in msg and f"{p}:6" in msg

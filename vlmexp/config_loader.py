@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
-from vlmexp.errors import ConfigError, Problem
+from vlmexp.errors import ConfigError, Problem, change_the_value
 
 Loc = tuple[str | int, ...]
 
@@ -156,7 +156,7 @@ def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
     if kind == "missing":
         return Problem(where(loc[:-1]) if loc[:-1] else where(loc), _dotted(loc), "required; add this field")
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "enum"):
-        msg = f"{msg}; change the value"
+        msg = f"{msg}; {change_the_value(str(loc[-1]), value)}"
     return Problem(where(loc), _dotted(loc), msg, value)
 
 

@@ -26,6 +26,15 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def change_the_value(key: str, value: Any) -> str:
+    """The fix for a value of the wrong type. YAML 1.1 reads unquoted no/yes/off/on as booleans, so a
+    boolean where a word was expected gets the quoting fix."""
+    if isinstance(value, bool):
+        word = "yes" if value else "no"
+        return f"YAML read an unquoted word (no, yes, off, on) as {value}; quote it, e.g. {key}: \"{word}\""
+    return "change the value"
+
+
 class VlmexpError(ValueError):
     """Bad input, reported as a list of problems, all at once."""
 

@@ -12,6 +12,8 @@ import typing
 from functools import cache
 from typing import Any
 
+from vlmexp.errors import change_the_value
+
 # Keys the pipeline sets itself, with where to set them instead.
 RESERVED = {
     "output_dir": "set run.output_dir instead",
@@ -70,10 +72,7 @@ def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], l
             out[key] = adapter.validate_python(value)
         except ValidationError as e:
             reason = e.errors()[0]["msg"]
-            fix = "change the value"
-            if isinstance(value, bool):  # YAML 1.1 reads unquoted no/yes/off/on as booleans
-                word = "yes" if value else "no"
-                fix = f"YAML read an unquoted word (no, yes, off, on) as {value}; quote it, e.g. {key}: \"{word}\""
+            fix = change_the_value(key, value)
             problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); {fix}"))
     return out, problems
 
