@@ -126,10 +126,31 @@ class ModelConfig(Section):
 class DataSource(Section):
     """One entry of a VLM-R1 data YAML's `datasets:` list."""
 
-    json_path: str = Field(..., description=".json (a list), .jsonl or .parquet file of records.")
+    json_path: str = Field(..., description="A .json (list), .jsonl, .parquet or .arrow file; a glob or folder of "
+                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; or a Hugging Face "
+                           "Hub dataset org/name@split (EasyR1's syntax).")
     sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
-    image_root: str | None = Field(None, description="Folder that relative image paths resolve against.")
+    image_root: str | None = Field(None, description="Folder that relative image paths resolve against. "
+                                   "Default: the file's or folder's own.")
     task: Task | None = Field(None, description="rec | math | exact; default from the record format.")
+    columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
+                                           "e.g. {problem: question, answer: solution, images: image} (EasyR1's "
+                                           "prompt_key / answer_key / image_key).")
+    subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
+    revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        from vlmexp.data.formats import FIELDS
+
+        unknown = sorted(set(v or {}) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown} in columns; map the source's columns to these fields: "
+                             f"{', '.join(FIELDS)} (as `field: source_column`)")
+        if v and len(set(v.values())) != len(v):
+            raise ValueError("columns maps one source column to two fields; map each column once")
+        return v
 
     @field_validator("sampling_strategy")
     @classmethod

@@ -65,14 +65,13 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
     """(records, completions) of a predictions JSONL: each line a data record in any format the sampler
     reads, with `completion`. Records already sampled keep their image sizes; others get them read from
     their images (relative paths join `image_root`, default the file's folder). All problems at once."""
-    from vlmexp.config import DataSource
     from vlmexp.data.formats import FORMATS, detect_format, parse_record
-    from vlmexp.data.sample import ImageChecker, resolve_image
+    from vlmexp.data.images import ImageStore
     from vlmexp.data.sources import read_records
     from vlmexp.errors import DataError, Problem
 
-    src = DataSource(json_path=str(path), image_root=str(image_root) if image_root else None)
-    checker, problems, records, completions = ImageChecker(), [], [], []
+    root = str(Path(image_root or Path(path).parent).resolve())
+    store, problems, records, completions = ImageStore(None), [], [], []
     for where, record in read_records(path):
         completion = record.get("completion")
         if not isinstance(completion, str):
@@ -91,11 +90,11 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
             continue
         sizes = record.get("image_sizes")
         if example.task == "rec" and not sizes:
-            found = [checker.check(resolve_image(ref, src)) for ref in example.images[:1]]
+            found = [store.resolve(ref, root) for ref in example.images[:1]]
             if bad := [s for s in found if isinstance(s, str)]:
                 problems += [Problem(where, "image", msg) for msg in bad]
                 continue
-            sizes = [list(s) for s in found]
+            sizes = [list(s[1]) for s in found]
         records.append({**record, "record_format": fmt, "task": example.task, "image_sizes": sizes or []})
         completions.append(completion)
     if problems:

@@ -54,12 +54,21 @@ def _digest(*parts: object) -> str:
 
 
 def stage_key(cfg: Config, stage: str, data_hash: str, upstream: str = "") -> str:
-    """What a stage's result depends on: the output folder, the model, the data settings and the sampled
+    """What a stage's result depends on: the output folder (relative to the working directory), the model, the data settings and the sampled
     data, the seed, the stage's own section (sft, grpo, eval or export), the DeepSpeed config, and the
     upstream stage's key. Tracking, retries and the launcher's process layout do not count."""
     section = getattr(cfg, stage).model_dump(mode="json")
-    return _digest(stage, str(Path(cfg.run.output_dir).resolve()), cfg.model.model_dump(mode="json"),
+    return _digest(stage, portable_path(cfg.run.output_dir), cfg.model.model_dump(mode="json"),
                    cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash, upstream)
+
+
+def portable_path(path: str | Path) -> str:
+    """`path` relative to the working directory when inside it: moving the checkout changes no key."""
+    p = Path(path).expanduser().resolve()
+    try:
+        return p.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(p)
 
 
 def stage_done(stage_dir: Path, key: str) -> bool:

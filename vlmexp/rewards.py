@@ -103,15 +103,25 @@ class Reward:
 
 @dataclass
 class FormatReward(Reward):
-    """1 when the completion is exactly <think>...</think><answer>...</answer> (tags configurable)."""
+    """1 when the completion has the asked-for shape.
+
+    style "answer" (VLM-R1): exactly <think>...</think><answer>...</answer> (tags configurable).
+    style "boxed" (EasyR1's math format reward, `<think>.*</think>.*\\boxed\{.*\}.*`): reasoning in
+    <think></think>, then the final answer in \\boxed{}.
+    """
 
     think_tag: str = "think"
     answer_tag: str = "answer"
+    style: str = "answer"
 
     def __post_init__(self) -> None:
         self.name = "format"
         t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
-        self._pattern = re.compile(rf"\s*<{t}>.*?</{t}>\s*<{a}>.*?</{a}>\s*", re.DOTALL)
+        patterns = {"answer": rf"\s*<{t}>.*?</{t}>\s*<{a}>.*?</{a}>\s*",
+                    "boxed": rf"\s*<{t}>.*</{t}>.*\\boxed\{{.*\}}.*"}
+        if self.style not in patterns:
+            raise TypeError(f"style {self.style!r} is not one of {sorted(patterns)}")
+        self._pattern = re.compile(patterns[self.style], re.DOTALL)
 
     def score(self, text: str, **sample: Any) -> Score:
         return 1.0 if self._pattern.fullmatch(text) else 0.0

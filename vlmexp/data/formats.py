@@ -4,7 +4,10 @@
     solution may be a string holding the list or <answer>[...]</answer>).
 (b) "conversations": VLM-R1 JSONL, {"id", "image": str | list, "conversations": [{"from": "human",
     "value": "<image>..."}, {"from": "gpt", "value": "..."}]}, optional "accu_reward_method".
-(c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [path, ...]}.
+(c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [image, ...]}.
+
+An image is a path, a `{bytes, path}` struct (a `datasets.Image` as parquet and Arrow store it), raw bytes
+or a PIL image (vlmexp.data.images). A source's `columns` renames its columns to these field names first.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ FORMATS = ("rec", "conversations", "easyr1")
 DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math"}
 # accu_reward_method values of VLM-R1 JSONL data -> our task
 ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
+# the field names a source's `columns` mapping may produce
+FIELDS = ("image", "images", "problem", "solution", "answer", "conversations", "accu_reward_method", "task", "id",
+          "chosen", "rejected")
 EXPECTED = ("rec: image, problem, solution; conversations: image, conversations; "
             "easyr1: problem, answer, images")
 
@@ -26,7 +32,7 @@ EXPECTED = ("rec: image, problem, solution; conversations: image, conversations;
 class Example:
     """What every format reduces to: images (as written in the record), the question, the answer."""
 
-    images: list[str]
+    images: list[Any]  # as written in the record: paths, {bytes, path} structs, bytes or PIL images
     problem: str
     solution: Any  # a box (list of 4 floats) for rec, else a string
     task: str
@@ -53,6 +59,7 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
         images, problem, solution = _as_list(need("image"), "image"), need("problem"), need("solution")
     elif fmt == "easyr1":
         images, problem, solution = _as_list(need("images"), "images"), need("problem"), need("answer")
+        problem = _strip_image_tags(problem, len(images), "problem")
     else:
         turns = need("conversations")
         if not isinstance(turns, list) or len(turns) < 2:
@@ -62,11 +69,7 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
         if human is None or gpt is None or "value" not in human or "value" not in gpt:
             raise ValueError("field 'conversations' needs {'from': 'human', 'value'} and {'from': 'gpt', 'value'}")
         images = _as_list(record.get("image", []), "image")
-        tags = str(human["value"]).count("<image>")
-        if tags and tags != len(images):
-            raise ValueError(f"human turn has {tags} <image> tags but the record lists {len(images)} images; "
-                             f"make them match")
-        problem, solution = str(human["value"]).replace("<image>", "").strip(), gpt["value"]
+        problem, solution = _strip_image_tags(str(human["value"]), len(images), "human turn"), gpt["value"]
         task = task or ACCU_TASK.get(str(record.get("accu_reward_method", "")), None)
     task = record.get("task") if record.get("task") in DEFAULT_TASK.values() else task
     task = task or DEFAULT_TASK[fmt]
@@ -82,8 +85,22 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
     return Example(images=images, problem=problem, solution=solution, task=task)
 
 
-def _as_list(value: Any, key: str) -> list[str]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"field {key!r} must be an image path or a list of image paths, got {value!r}")
+def _as_list(value: Any, key: str) -> list[Any]:
+    from vlmexp.data.images import describe, is_image_value
+
+    items = value if isinstance(value, list) else [value]
+    if not all(is_image_value(v) for v in items):
+        bad = next(v for v in items if not is_image_value(v))
+        raise ValueError(f"field {key!r} must be an image (a path, a {{bytes, path}} struct, bytes or a PIL image) or "
+                         f"a list of them, got {type(bad).__name__} {describe(bad)}")
     return items
+
+
+def _strip_image_tags(text: Any, images: int, what: str) -> Any:
+    """The question without `<image>` placeholders (TRL adds the image parts), which must match the images."""
+    if not isinstance(text, str):
+        return text
+    tags = text.count("<image>")
+    if tags and tags != images:
+        raise ValueError(f"{what} has {tags} <image> tags but the record lists {images} images; make them match")
+    return text.replace("<image>", "").strip()

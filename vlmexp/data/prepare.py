@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlmexp.config import Config, DataSource
-from vlmexp.data.sample import SampleResult, atomic_write, sample_sources
+from vlmexp.data.sample import SampleResult, atomic_write, content_sha256, sample_sources
 from vlmexp.data.sources import load_data_yaml, resolve_relative, sha256_file
 
 
@@ -16,7 +17,7 @@ from vlmexp.data.sources import load_data_yaml, resolve_relative, sha256_file
 class PreparedData:
     train: Path
     val: Path | None
-    manifest_sha256: str  # hash of both manifests: changes when the sampled data changes
+    manifest_sha256: str  # changes when the sampled data changes; not when the data or the checkout moves
 
 
 def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
@@ -52,12 +53,19 @@ def prepare_data(cfg: Config) -> PreparedData:
     val = sample_sources(val_src, out / "val.jsonl", seed) if val_src else None
     if cfg.data.val_fraction:
         train, val = split_holdout(train, cfg.data.val_fraction, seed)
-    digest = sha256_file(train.manifest_path)
-    if val is not None:
-        digest = f"{digest}:{sha256_file(val.manifest_path)}"
-    import hashlib
-
+    digest = ":".join(portable_manifest_sha256(r.manifest_path) for r in (train, val) if r is not None)
     return PreparedData(train.path, val.path if val else None, hashlib.sha256(digest.encode()).hexdigest())
+
+
+LOCAL_SOURCE_FIELDS = ("json_path", "image_root")  # where the data lives, not what it is
+
+
+def portable_manifest_sha256(manifest_path: Path) -> str:
+    """The hash of a manifest without the paths in it: the same data sampled anywhere gives the same hash."""
+    manifest = json.loads(Path(manifest_path).read_text())
+    manifest.pop("records_sha256", None)  # the file holds absolute image paths; content_sha256 does not
+    manifest["sources"] = [{k: v for k, v in s.items() if k not in LOCAL_SOURCE_FIELDS} for s in manifest["sources"]]
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[SampleResult, SampleResult]:
@@ -73,9 +81,10 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
     results = []
     for path, rows in ((result.path, len(lines) - n_val), (val_path, n_val)):
         manifest = json.loads(result.manifest_path.read_text())
-        manifest.update(rows=rows, records_sha256=sha256_file(path), holdout={"fraction": fraction,
-                        "split": path.stem})
+        content = content_sha256([json.loads(line) for line in path.read_text().splitlines()])
+        manifest.update(rows=rows, records_sha256=sha256_file(path), content_sha256=content,
+                        holdout={"fraction": fraction, "split": path.stem})
         mpath = path.with_name(path.stem + ".manifest.json")
         atomic_write(mpath, json.dumps(manifest, indent=2) + "\n")
-        results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows))
+        results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows, content))
     return results[0], results[1]

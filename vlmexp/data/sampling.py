@@ -1,7 +1,9 @@
 """Sampling strategies of VLM-R1 data YAMLs: all, first:N, end:N, random:N, with N a count or 'P%'.
 
 Percentages round up, as VLM-R1 does (`math.ceil(P * rows / 100)`). Random sampling is seeded per
-source (seed + source path), so adding a source never changes the rows drawn from another.
+source by the run seed and what identifies the source's content (its sha256 or dataset fingerprint, the
+`salt`), never its path: adding a source never changes the rows drawn from another, and moving the data
+or the checkout changes no row.
 """
 
 from __future__ import annotations
