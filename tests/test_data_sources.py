@@ -243,34 +243,38 @@ def test_a_lying_png_file_and_non_utf8_lines_are_problems_naming_the_record(tmp_
     assert "not UTF-8" in where[f"{tmp_path / 'd.jsonl'}:2"] and len(where) == 2
 
 
-def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path):
+def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, monkeypatch):
+    """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage key."""
     from vlmexp.config_loader import load_config
     from vlmexp.data.prepare import prepare_data
+    from vlmexp.pipeline import stage_key
 
     rows = [{"image": "im.png", "problem": f"thing {i}", "solution": [1, 1, 5, 5]} for i in range(50)]
+    picks, hashes, keys = [], [], []
     for folder in ("one", "two/deeper"):
-        write_jsonl(tmp_path / folder / "d.jsonl", rows)
-        make_png(tmp_path / folder / "im.png")
-    picks, hashes = [], []
-    for folder in ("one", "two/deeper"):
-        (tmp_path / folder / "data.yaml").write_text("datasets:\n  - {json_path: d.jsonl, sampling_strategy: 'random:5'}\n")
-        cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path / folder / 'run'}", "run.seed=1",
-                                                       "data.demo=null", f"data.data_yaml={tmp_path / folder / 'data.yaml'}",
-                                                       "data.val_fraction=0.2"])
+        write_jsonl(tmp_path / folder / "data" / "d.jsonl", rows)
+        make_png(tmp_path / folder / "data" / "im.png")
+        (tmp_path / folder / "data.yaml").write_text(
+            "datasets:\n  - {json_path: data/d.jsonl, sampling_strategy: 'random:5'}\n")
+        monkeypatch.chdir(tmp_path / folder)
+        cfg = load_config(REPO / "configs/demo.yaml", ["run.output_dir=run", "run.seed=1", "data.demo=null",
+                                                       "data.data_yaml=data.yaml", "data.val_fraction=0.2"])
         prepared = prepare_data(cfg)
         lines = prepared.train.read_text().splitlines() + prepared.val.read_text().splitlines()
         picks.append(sorted(json.loads(line)["source_row"] for line in lines))
         hashes.append(prepared.manifest_sha256)
+        keys.append(stage_key(cfg, "sft", prepared.manifest_sha256))
+    assert keys[0] == keys[1]  # moving the checkout and its data retrains nothing
     assert picks[0] == picks[1] and len(picks[0]) == 5
     assert hashes[0] == hashes[1]  # the stage cache keys see the same data hash
     # another source beside it changes none of its rows
-    write_jsonl(tmp_path / "one" / "other.jsonl", rows[:10])
-    both = sample_sources([DataSource(json_path=str(tmp_path / "one" / "other.jsonl"), sampling_strategy="random:3"),
-                           DataSource(json_path=str(tmp_path / "one" / "d.jsonl"), sampling_strategy="random:5")],
+    write_jsonl(tmp_path / "one" / "data" / "other.jsonl", rows[:10])
+    d = str(tmp_path / "one" / "data" / "d.jsonl")
+    both = sample_sources([DataSource(json_path=str(tmp_path / "one" / "data" / "other.jsonl"),
+                                      sampling_strategy="random:3"), DataSource(json_path=d, sampling_strategy="random:5")],
                           tmp_path / "mix" / "t.jsonl", seed=1)
     assert sorted(r["source_row"] for r in _records(both)[3:]) == sorted(
-        r["source_row"] for r in _records(sample_sources([DataSource(json_path=str(tmp_path / "one" / "d.jsonl"),
-                                                                     sampling_strategy="random:5")],
+        r["source_row"] for r in _records(sample_sources([DataSource(json_path=d, sampling_strategy="random:5")],
                                                          tmp_path / "alone" / "t.jsonl", seed=1)))
 
 

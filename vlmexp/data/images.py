@@ -64,18 +64,23 @@ class ImageStore:
         if isinstance(value, dict) and value.get("bytes") is None:
             value = value.get("path")
         if isinstance(value, str):
-            if image_root is None and not Path(value).expanduser().is_absolute():
-                return (f"relative image path {describe(value)} in a source with no image folder; set the "
-                        f"source's image_root")
-            path = str((Path(image_root or "/") / Path(value).expanduser()).resolve())
-            if path not in self._seen:
-                self._seen[path] = self._check_file(path)
-            return self._seen[path]
+            key = f"{image_root}\0{value}"  # resolving a path costs more than checking a seen image
+            if key not in self._seen:
+                self._seen[key] = self._resolve_path(value, image_root)
+            return self._seen[key]
         data, name = _bytes_of(value)
         digest = hashlib.sha256(data).hexdigest()
         if digest not in self._seen:
             self._seen[digest] = self._store(data, digest, name)
         return self._seen[digest]
+
+    def _resolve_path(self, value: str, image_root: str | None) -> Checked:
+        if image_root is None and not Path(value).expanduser().is_absolute():
+            return f"relative image path {describe(value)} in a source with no image folder; set the source's image_root"
+        path = str((Path(image_root or "/") / Path(value).expanduser()).resolve())
+        if path not in self._seen:
+            self._seen[path] = self._check_file(path)
+        return self._seen[path]
 
     def _check_file(self, path: str) -> Checked:
         p = Path(path)

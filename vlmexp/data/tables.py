@@ -163,14 +163,15 @@ class ParquetTable:
 
         idx = np.asarray(list(indices), dtype=np.int64)
         group_of = np.searchsorted(self._group_starts, idx, side="right") - 1
-        cached: tuple[int, Any] | None = None
-        for i, g in zip(idx.tolist(), group_of.tolist()):
-            if cached is None or cached[0] != g:  # indices come sorted: each row group is read once
-                n, rg, _ = self._groups[g]
-                cached = (g, self._handles[n].read_row_group(rg))
-            n, _, start = self._groups[g]
-            local = i - self._file_starts[n]
-            yield f"{self.files[n]}[{local}]", cached[1].slice(i - start, 1).to_pylist()[0]
+        # consecutive runs of indices in one row group: each run reads its row group once
+        cuts = np.flatnonzero(np.diff(group_of)) + 1
+        for run, g in zip(np.split(idx, cuts), group_of[np.concatenate([[0], cuts])] if len(idx) else []):
+            n, rg, start = self._groups[int(g)]
+            table = self._handles[n].read_row_group(rg)
+            for b in range(0, len(run), BATCH):
+                part = run[b:b + BATCH]
+                for i, record in zip(part.tolist(), table.take(part - start).to_pylist()):
+                    yield f"{self.files[n]}[{i - self._file_starts[n]}]", record
 
 
 class DatasetTable:
