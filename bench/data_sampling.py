@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,14 +85,17 @@ def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
               "print(time.perf_counter() - t, r.rows)")
     args = [sys.executable, "-c", script, str(work / source), strategy, str(work / "out")]
     start = time.perf_counter()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(code)})
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    out, err = proc.stdout.read(), proc.stderr.read()
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:  # no pipe can fill up
+        proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, text=True, cwd=work,
+                                env={**os.environ, "PYTHONPATH": str(code)})  # cwd: no checkout shadows --code
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        out_f.seek(0), err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
     if status != 0:
-        return {"error": err.strip().splitlines()[-1][:300] if err.strip() else f"exit {status}",
-                "wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+        last = err.strip().splitlines()[-1] if err.strip() else f"exit {status}"
+        return {"error": last[:300], "error_output_bytes": len(err), "wall_s": round(wall, 2),
+                "peak_rss_mib": round(usage.ru_maxrss / 1024)}
     inner, rows = out.split()
     return {"wall_s": round(wall, 2), "sample_s": round(float(inner), 2), "peak_rss_mib": round(usage.ru_maxrss / 1024),
             "rows": int(rows)}

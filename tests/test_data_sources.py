@@ -308,3 +308,32 @@ def test_one_grpo_step_from_parquet_with_embedded_images(geometry3k, tmp_path):
     assert (final / "model.safetensors").is_file()
     state = json.loads(next((tmp_path / "run" / "grpo").glob("checkpoint-*/trainer_state.json")).read_text())
     assert state["global_step"] == 1 and any("rewards/math/mean" in h for h in state["log_history"])
+
+
+def test_validate_accepts_every_source_kind_and_names_a_glob_that_matches_nothing(geometry3k, tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+
+    body = ("model:\n  path: Qwen/Qwen2.5-VL-3B-Instruct\ndata:\n  datasets:\n"
+            "    - {json_path: hiyouga/geometry3k@train}\n"
+            f"    - {{json_path: '{geometry3k}/data/train-*.parquet'}}\n"
+            f"    - {{json_path: '{geometry3k}@test'}}\n")
+    (tmp_path / "ok.yaml").write_text(body)
+    load_config(tmp_path / "ok.yaml", check_paths=True)
+    (tmp_path / "bad.yaml").write_text(body + f"    - {{json_path: '{geometry3k}/data/tran-*.parquet'}}\n")
+    with pytest.raises(ConfigError, match=r"data\.datasets\.3\.json_path.*no file matches this glob"):
+        load_config(tmp_path / "bad.yaml", check_paths=True)
+
+
+@pytest.mark.slow
+def test_data_sampling_benchmark_runs_at_a_small_size(tmp_path):
+    """bench/data_sampling.py (the figures in bench/RESULTS.md) at 300 records: every case samples, in its own process."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "data_sampling.py"), "--records", "300", "--embedded", "20",
+                    "--work", str(tmp_path / "w"), "--cases", "1,3,4", "--out", str(out)], check=True, cwd=tmp_path)
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["rows"] for c in cases.values()] == [300, 300, 20]
+    assert all(c["peak_rss_mib"] > 0 and c["wall_s"] > 0 for c in cases.values())

@@ -78,7 +78,9 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
     if task == "rec":
         box = parse_box(solution)
         if box is None:
-            raise ValueError(f"solution {solution!r} holds no box; write [x1, y1, x2, y2] in original pixels")
+            from vlmexp.data.images import describe
+
+            raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original pixels")
         solution = box
     else:
         solution = str(solution)
