@@ -333,7 +333,7 @@ def test_data_sampling_benchmark_runs_at_a_small_size(tmp_path):
 
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(REPO / "bench" / "data_sampling.py"), "--records", "300", "--embedded", "20",
-                    "--work", str(tmp_path / "w"), "--cases", "1,3,4", "--out", str(out)], check=True, cwd=tmp_path)
+                    "--work", str(tmp_path / "w"), "--cases", "0,2,4", "--out", str(out)], check=True, cwd=tmp_path)
     cases = json.loads(out.read_text())["cases"]
-    assert [c["rows"] for c in cases.values()] == [300, 300, 20]
+    assert [c["rows"] for c in cases.values()] == [3, 3, 20]  # random:1% rounds up
     assert all(c["peak_rss_mib"] > 0 and c["wall_s"] > 0 for c in cases.values())
