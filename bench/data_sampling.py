@@ -2,7 +2,7 @@
 
 Builds (once, under --work) a VLM-R1 REC JSONL of --records records over 1,000 image files, the same
 records as 10 parquet shards, and a parquet of --embedded records with embedded PNGs (all different), then
-samples each with the strategies below, every case in a fresh process whose peak RSS is read from wait4.
+samples each with the strategies below, every case in a fresh process that reports its peak RSS (VmHWM).
 `--code DIR` runs the cases against another checkout (e.g. a worktree of an older commit: "before").
 
     .venv/bin/python bench/data_sampling.py --records 10000000 --out bench/results/data_sampling.json
@@ -82,7 +82,8 @@ def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
               "from vlmexp.data.sample import sample_sources; out = Path(sys.argv[3]); shutil.rmtree(out, True); "
               "t = time.perf_counter(); r = sample_sources([DataSource(json_path=sys.argv[1], "
               "sampling_strategy=sys.argv[2])], out / 'train.jsonl', 1); "
-              "print(time.perf_counter() - t, r.rows)")
+              "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
+              "print(time.perf_counter() - t, r.rows, hwm)")
     args = [sys.executable, "-c", script, str(work / source), strategy, str(work / "out")]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:  # no pipe can fill up
@@ -95,9 +96,10 @@ def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
     if status != 0:
         last = err.strip().splitlines()[-1] if err.strip() else f"exit {status}"
         return {"error": last[:300], "error_output_bytes": len(err), "wall_s": round(wall, 2),
-                "peak_rss_mib": round(usage.ru_maxrss / 1024)}
-    inner, rows = out.split()
-    return {"wall_s": round(wall, 2), "sample_s": round(float(inner), 2), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+                "peak_rss_mib_incl_parent": round(usage.ru_maxrss / 1024)}
+    inner, rows, hwm_kib = out.split()
+    # VmHWM: this process image's own peak (ru_maxrss would also count the parent's pages at fork)
+    return {"wall_s": round(wall, 2), "sample_s": round(float(inner), 2), "peak_rss_mib": round(int(hwm_kib) / 1024),
             "rows": int(rows)}
 
 
