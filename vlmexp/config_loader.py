@@ -15,8 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
 from vlmexp.errors import ConfigError, Problem, change_the_value
-
-Loc = tuple[str | int, ...]
+from vlmexp.yaml_reader import Loc, YamlProblems, read_yaml_mapping
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
@@ -63,42 +62,14 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
     return cfg
 
 
-def read_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[Loc, int]]:
-    """Parse a YAML mapping safely; also return the 1-based line of every key and list item."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(Problem(str(p), "", "file not found: check the path (relative paths start at "
-                                              "the current directory)"), title="invalid config")
-    text = p.read_text(encoding="utf-8")
+def read_yaml_with_lines(path: str | Path, expected: str = "a config's sections (run, model, data, ...) or a data "
+                                                           "YAML's `datasets:` list") -> tuple[dict[str, Any], dict[Loc, int]]:
+    """Parse a YAML mapping safely and within bounds (`vlmexp.yaml_reader`); also return the 1-based line of
+    every key and list item. Raises ConfigError naming the file (and line or byte) and the fix."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or str(e)
-        raise ConfigError(Problem(f"{p}{line}", "", f"YAML syntax error: {reason}; fix the YAML at that line"),
-                          title=f"invalid config {p}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(Problem(str(p), "", f"top level must be a mapping of sections, got "
-                                              f"{type(raw).__name__}"), title=f"invalid config {p}")
-    lines: dict[Loc, int] = {}
-    _collect_lines(node, (), lines)
-    return raw, lines
-
-
-def _collect_lines(node, loc: Loc, out: dict[Loc, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            sub = loc + (key_node.value,)
-            out[sub] = key_node.start_mark.line + 1
-            _collect_lines(value_node, sub, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out[loc + (i,)] = item.start_mark.line + 1
-            _collect_lines(item, loc + (i,), out)
+        return read_yaml_mapping(path, expected)
+    except YamlProblems as e:
+        raise ConfigError(e.problems, title=f"invalid config {path}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
