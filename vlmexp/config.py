@@ -39,7 +39,7 @@ TEMPLATE_FIELDS = {"problem", "frame"}
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "Input should be a finite number"
 
 
 class RunConfig(Section):

@@ -7,6 +7,7 @@ path, the bad value, and the fix. YAML is parsed with the safe loader only.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
-from vlmexp.errors import ConfigError, Problem, change_the_value
-from vlmexp.yaml_reader import Loc, YamlProblems, read_yaml_mapping
+from vlmexp.errors import ConfigError, Problem, change_the_value, short
+from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml, read_yaml_mapping
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
@@ -41,18 +42,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
                 return f"{path}:{lines[loc[:n]]}"
         return str(path)
 
+    non_finite = dict(_non_finite(raw, ()))  # anywhere, kwargs and TRL args included
+    problems += [Problem(where(loc), _dotted(loc), "not a finite number (NaN or infinity); write a finite number",
+                         value) for loc, value in non_finite.items()]
     cfg = None
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
-        problems += [_problem_from_pydantic(err, where) for err in e.errors()]
+        problems += [_problem_from_pydantic(err, where) for err in e.errors()
+                     if not (err["type"] == "finite_number" and _clean(err["loc"]) in non_finite)]
     if cfg is not None and check_trl:
         from vlmexp.trl_args import check_trl_args
 
         for stage in ("sft", "grpo"):
             for key, value, message in check_trl_args(stage, getattr(cfg, stage).args):
                 loc: Loc = (stage, "args", key) if key else (stage, "args")
-                problems.append(Problem(where(loc), _dotted(loc), message, value))
+                if loc not in non_finite:
+                    problems.append(Problem(where(loc), _dotted(loc), message, value))
     if cfg is not None and check_paths:
         from vlmexp.paths import check_config_paths
 
@@ -78,9 +84,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ValueError("overrides look like section.key=value, e.g. grpo.args.learning_rate=1e-6")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"value {value!r} is not valid YAML ({e.__class__.__name__}); quote it") from None
+        parsed = parse_yaml(value, "the value")[0] if value.strip() else ""
+    except YamlProblems as e:
+        raise ValueError(f"value {short(value)}: {e.problems[0].message} (or quote the value)") from None
     return key.strip().split("."), parsed
 
 
@@ -110,12 +116,29 @@ def apply_override(raw: dict[str, Any], item: str) -> Loc:
     return tuple(loc)
 
 
+def _non_finite(value: Any, loc: Loc):
+    """(location, value) of every NaN or infinite float inside a parsed YAML value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield loc, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, (*loc, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, (*loc, i))
+
+
+def _clean(loc: tuple) -> Loc:
+    """A pydantic error location without its validator steps ('function-after[...]')."""
+    return tuple(x for x in loc if not (isinstance(x, str) and x.startswith("function-")))
+
+
 def _dotted(loc: Loc) -> str:
     return ".".join(str(x) for x in loc)
 
 
 def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
-    loc: Loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+    loc = _clean(err["loc"])
     kind = err["type"]
     msg = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
@@ -126,6 +149,8 @@ def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
         return Problem(where(loc), _dotted(loc), f"unknown key; remove it or fix its spelling ({fix})")
     if kind == "missing":
         return Problem(where(loc[:-1]) if loc[:-1] else where(loc), _dotted(loc), "required; add this field")
+    if kind == "finite_number":
+        msg = f"{msg}, not NaN or infinity; write a finite number"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "enum"):
         msg = f"{msg}; {change_the_value(str(loc[-1]), value)}"
     return Problem(where(loc), _dotted(loc), msg, value)

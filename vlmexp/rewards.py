@@ -144,7 +144,10 @@ class IoUReward(Reward):
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")
-        box = parse_box(answer)
+        try:
+            box = parse_box(answer)
+        except ValueError:  # NaN or infinity in the model's box
+            return self.fail("non_finite_box")
         if box is None:
             return self.fail("no_box")
         if box[2] <= box[0] or box[3] <= box[1]:

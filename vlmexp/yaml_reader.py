@@ -52,32 +52,39 @@ def read_yaml_mapping(path: str | Path, expected: str) -> tuple[dict[str, Any], 
     Raises YamlProblems.
     """
     p = Path(path)
-    text = _read_text(p)
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            raise YamlProblems([Problem(str(p), "", f"the file is empty; write {expected} in it")])
-        _check_graph(p, node)
-        raw = loader.construct_document(node)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or str(e)
-        raise YamlProblems([Problem(f"{p}{line}", "", f"YAML syntax error: {reason}; fix the YAML at that line")]) from None
-    except RecursionError:
-        raise YamlProblems([Problem(str(p), "", f"nesting too deep to read (over {MAX_DEPTH} levels of mappings and "
-                                                f"lists); flatten the file")]) from None
-    except (ValueError, TypeError, OverflowError) as e:  # a scalar the safe constructor cannot build
-        raise YamlProblems([Problem(str(p), "", f"a value cannot be read ({e}); quote it to keep it as text")]) from None
-    finally:
-        loader.dispose()
+    raw, node = parse_yaml(_read_text(p), str(p))
+    if node is None:
+        raise YamlProblems([Problem(str(p), "", f"the file is empty; write {expected} in it")])
     if not isinstance(raw, dict):
         raise YamlProblems([Problem(f"{p}:{node.start_mark.line + 1}", "", f"the top level must be a mapping "
                                     f"(key: value lines) holding {expected}, got a {type(raw).__name__}")])
     lines: dict[Loc, int] = {}
     _collect_lines(node, (), lines)
     return raw, lines
+
+
+def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
+    """(value, its node) of one YAML document, with the checks above; `where` names it in problems
+    (a file, or the override it came from). An empty document is (None, None). Raises YamlProblems."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_graph(where, node)
+        return loader.construct_document(node), node
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        reason = getattr(e, "problem", None) or str(e)
+        raise YamlProblems([Problem(f"{where}{line}", "", f"YAML syntax error: {reason}; fix the YAML there")]) from None
+    except RecursionError:
+        raise YamlProblems([Problem(where, "", f"nesting too deep to read (over {MAX_DEPTH} levels of mappings "
+                                               f"and lists); flatten it")]) from None
+    except (ValueError, TypeError, OverflowError) as e:  # a scalar the safe constructor cannot build
+        raise YamlProblems([Problem(where, "", f"a value cannot be read ({e}); quote it to keep it as text")]) from None
+    finally:
+        loader.dispose()
 
 
 def _read_text(p: Path) -> str:
@@ -117,7 +124,7 @@ def _line_of(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
-def _check_graph(p: Path, root: yaml.Node) -> None:
+def _check_graph(p: str, root: yaml.Node) -> None:
     """Duplicate keys, alias expansion, depth and self-reference, on the composed graph (aliases shared)."""
     memo: dict[int, int] = {}
     problems: list[Problem] = []
@@ -126,7 +133,7 @@ def _check_graph(p: Path, root: yaml.Node) -> None:
     except _Refused as r:
         raise YamlProblems([Problem(f"{p}:{r.node.start_mark.line + 1}", "", r.message)]) from None
     if expanded - len(memo) > MAX_ALIAS_NODES:
-        problems.append(Problem(str(p), "", f"aliases (*name) expand the document by {expanded - len(memo)} values, "
+        problems.append(Problem(p, "", f"aliases (*name) expand the document by {expanded - len(memo)} values, "
                                             f"over the limit of {MAX_ALIAS_NODES}; write the values out or use "
                                             f"fewer aliases"))
     if problems:
@@ -134,7 +141,7 @@ def _check_graph(p: Path, root: yaml.Node) -> None:
 
 
 def _expanded(node: yaml.Node, loc: Loc, memo: dict[int, int], open_: set[int], problems: list[Problem],
-              p: Path) -> int:
+              p: str) -> int:
     """How many values `node` stands for once every alias is written out (memoised per shared node)."""
     if id(node) in memo:
         return memo[id(node)]
