@@ -21,7 +21,10 @@ from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml, read_yaml_mapping
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
                 check_trl: bool = True) -> Config:
-    """Read, override and validate a config. Raises ConfigError with all problems found."""
+    """Read, override and validate a config. Raises ConfigError with all problems found.
+
+    `check_trl`: also build TRL's config classes from the args and import each module:function reward (in a
+    child process); off for a config that was validated already (a run's resolved copy)."""
     raw, lines = read_yaml_with_lines(path)
     problems: list[Problem] = []
     override_locs: dict[Loc, str] = {}
@@ -47,7 +50,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
                          value) for loc, value in non_finite.items()]
     cfg = None
     try:
-        cfg = Config.model_validate(raw)
+        cfg = Config.model_validate(raw, context={"import_rewards": check_trl})
     except ValidationError as e:
         problems += [_problem_from_pydantic(err, where) for err in e.errors()
                      if not (err["type"] == "finite_number" and _clean(err["loc"]) in non_finite)]
