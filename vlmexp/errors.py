@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import reprlib
 from dataclasses import dataclass
 from typing import Any
@@ -87,3 +88,20 @@ class ConfigError(VlmexpError):
 
 class DataError(VlmexpError):
     title = "invalid data"
+
+
+class _NoTracebackForBadInput(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], VlmexpError):
+            record.exc_info, record.exc_text = None, None  # the message already holds every problem
+        return True
+
+
+def quiet_bad_input_tracebacks(*logger_names: str) -> None:
+    """Log a VlmexpError (bad input) that an orchestrator reports, e.g. Prefect's "Task run failed with
+    exception", without its traceback: the error lists every problem with the fix, and a traceback would
+    read as a crash. Any other exception keeps its traceback. Idempotent."""
+    for name in logger_names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
+            logger.addFilter(_NoTracebackForBadInput())
