@@ -33,13 +33,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
             loc = apply_override(raw, item)
             override_locs[loc] = item
         except ValueError as e:
-            problems.append(Problem(f"override {item!r}", "", str(e)))
+            problems.append(Problem(f"override {short(item)}", "", str(e)))
 
     def where(loc: Loc) -> str:
         for set_loc, item in override_locs.items():  # the override set this field, or something inside it
             n = min(len(loc), len(set_loc))
             if n and loc[:n] == set_loc[:n]:
-                return f"override {item!r}"
+                return f"override {short(item)}"
         for n in range(len(loc), -1, -1):
             if loc[:n] in lines:
                 return f"{path}:{lines[loc[:n]]}"
