@@ -66,8 +66,9 @@ def read_yaml_mapping(path: str | Path, expected: str) -> tuple[dict[str, Any], 
 def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
     """(value, its node) of one YAML document, with the checks above; `where` names it in problems
     (a file, or the override it came from). An empty document is (None, None). Raises YamlProblems."""
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # reads the text once: a control character is refused here
         node = loader.get_single_node()
         if node is None:
             return None, None
@@ -84,7 +85,8 @@ def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
     except (ValueError, TypeError, OverflowError) as e:  # a scalar the safe constructor cannot build
         raise YamlProblems([Problem(where, "", f"a value cannot be read ({e}); quote it to keep it as text")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _read_text(p: Path) -> str:
