@@ -336,3 +336,17 @@ def test_long_values_are_cut(world, tmp_path, capsys):
     err = _fails(capsys, tmp_path, _config(world, tmp_path), f"eval.batch_size={'x' * 5000}")
     line = next(line for line in err.splitlines() if "eval.batch_size =" in line)
     assert "..." in line and line.count("x") < 450, line  # the value at most ~200 characters, in the override too
+
+
+@pytest.mark.slow
+def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
+    """`vlmexp run`: the flow's tasks fail on bad data; Prefect's log shows the problems, not a traceback."""
+    import subprocess
+
+    source = _source(world, tmp_path, raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
+    config = _config(world, tmp_path, source)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "run", str(config), "pipeline.retries=0"],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PREFECT_HOME": str(tmp_path / "p")})
+    output = r.stdout + r.stderr
+    assert r.returncode == 2, output
+    assert "d.jsonl:2" in output and "not a finite number" in output and "Traceback" not in output, output
