@@ -19,12 +19,12 @@ import pytest
 import yaml
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from vlmexp.config import Config, DataSource  # noqa: E402
-from vlmexp.config_loader import load_config  # noqa: E402
-from vlmexp.errors import VlmexpError  # noqa: E402
+from vlmexp.config import Config, DataSource
+from vlmexp.config_loader import load_config
+from vlmexp.errors import VlmexpError
 
 BUDGET = settings(max_examples=80, deadline=None, derandomize=True, database=None, print_blob=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import make_png, write_jsonl
+
 from vlmexp.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -346,7 +346,8 @@ def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
     source = _source(world, tmp_path, raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
     config = _config(world, tmp_path, source)
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "run", str(config), "pipeline.retries=0"],
-                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PREFECT_HOME": str(tmp_path / "p")})
+                       capture_output=True, text=True, cwd=tmp_path, check=False,
+                       env={**os.environ, "PREFECT_HOME": str(tmp_path / "p")})
     output = r.stdout + r.stderr
     assert r.returncode == 2, output
     assert "d.jsonl:2" in output and "not a finite number" in output and "Traceback" not in output, output

@@ -100,7 +100,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from vlmexp.config_loader import load_config
     from vlmexp.data.prepare import prepare_data
     from vlmexp.evaluate import check_sampled_records, evaluate
-
     from vlmexp.paths import check_checkpoint, check_output_dir
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
@@ -146,9 +145,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import dump_config, load_config
     from vlmexp.export import export_model
-    from vlmexp.tracking import git_commit
-
     from vlmexp.paths import check_checkpoint, check_output_dir
+    from vlmexp.tracking import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     out = Path(args.out or Path(cfg.run.output_dir) / "export")
@@ -187,7 +185,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import load_config
     from vlmexp.launch import is_launched_process, stage_command
-
     from vlmexp.paths import check_checkpoint
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
