@@ -138,8 +138,13 @@ def _check_graph(p: str, root: yaml.Node) -> None:
         problems.append(Problem(p, "", f"aliases (*name) expand the document by {expanded - len(memo)} values, "
                                             f"over the limit of {MAX_ALIAS_NODES}; write the values out or use "
                                             f"fewer aliases"))
-    if problems:
-        raise YamlProblems(problems)
+    if problems:  # in file order (the walk meets a mapping's duplicates before those nested inside it)
+        raise YamlProblems(sorted(problems, key=_line_in))
+
+
+def _line_in(problem: Problem) -> int:
+    line = problem.where.rpartition(":")[2]
+    return int(line) if line.isdigit() else 0
 
 
 def _expanded(node: yaml.Node, loc: Loc, memo: dict[int, int], open_: set[int], problems: list[Problem],
