@@ -39,9 +39,12 @@ def _cached(task, output: str, force: bool, retries: int, delay: float, **params
 
 @flow(name="vlm-pipeline", log_prints=True)
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> dict[str, Any]:
-    from vlmexp.pipeline import load_resolved, stage_key
+    from vlmexp.errors import quiet_bad_input_tracebacks
+    from vlmexp.pipeline import check_pipeline_parameters, load_resolved, stage_key
     from vlmexp.tracking import git_commit
 
+    quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
+    check_pipeline_parameters(config, overrides)
     pending = validate_config(config, overrides or [])
     cfg = load_resolved(pending)
     retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}

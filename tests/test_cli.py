@@ -75,4 +75,5 @@ def test_run_bad_config_exits_2_before_writing(tmp_path):
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={tmp_path / 'o'}", "grpo.args.beta=-x",
                cwd=tmp_path)
     assert r.returncode == 2 and "grpo.args.beta" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr  # Prefect logs the failed task without its traceback
     assert not (tmp_path / "o").exists()

@@ -120,10 +120,11 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
 
 @pytest.mark.parametrize("body, needle", [
     ("model:\n  path: tiny:llama\ndata:\n  demo: {}\n", "unknown tiny family"),
-    (BASE + "model:\n  path: tiny:qwen2_5_vl\n  min_pixels: 9000\n  max_pixels: 100\n", "swap them"),
+    ("model:\n  path: tiny:qwen2_5_vl\n  min_pixels: 9000\n  max_pixels: 100\ndata:\n  demo: {}\n", "swap them"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  data_yaml: x.yaml\n", "exactly one of"),
-    (BASE + "data:\n  demo: {}\n  prompt_templates: {rec: 'find {thing}'}\n", "only {problem} and {frame}"),
-    (BASE + "data:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n", "less than 1"),
+    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  prompt_templates: {rec: 'find {thing}'}\n",
+     "only {problem} and {frame}"),
+    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n", "less than 1"),
     (BASE + "launch:\n  launcher: torchrun\n  nnodes: 2\n", "rdzv_endpoint"),
     (BASE + "run:\n  name: 'bad name!'\n", "letters, digits"),
     (BASE + "grpo:\n  rewards: [{name: accuracy}]\n", "unknown reward 'accuracy'"),

@@ -7,11 +7,14 @@ The cases run the real command in-process (`vlmexp.cli.main`), the same path a p
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
-
 from conftest import make_png, write_jsonl
+
 from vlmexp.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +171,183 @@ def test_safe_defaults(world, tmp_path, capsys):
     # a reward name is never evaluated: only registered names and importable module:function references
     err = _fails(capsys, tmp_path, _config(world, tmp_path), f"grpo.rewards=[{{name: '__import__(\"os\").system(\"touch {planted}\")'}}]")
     assert "unknown reward" in err and not planted.exists()
+
+
+# --- files that are not what a config or data YAML should be (issue 18) ---------------------------------
+
+def _laughs(levels: int = 7) -> str:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+YAML_FILE_CASES = {
+    "duplicate key": (b"run:\n  seed: 1\n  seed: 2\n", [":3", "run.seed", "defined twice", "lines 2 and 3", "remove one"]),
+    "billion laughs": (_laughs().encode(), ["aliases (*name) expand the document by", "over the limit of 100000"]),
+    "recursive alias": (b"run: &r\n  name: [*r]\n", ["alias refers to the anchor that contains it"]),
+    "not UTF-8": (b"run:\n  name: caf\xe9\n", [":2", "not UTF-8 text: byte 0xe9 at byte 16", "save the file as UTF-8"]),
+    "UTF-16": ("run:\n  seed: 1\n".encode("utf-16"), ["UTF-16 text", "save it as UTF-8"]),
+    "binary file": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", ["binary file", "NUL byte at byte 8"]),
+    "huge file": (b"# " + b"x" * (1 << 20) + b"\n", ["over the 1048576 bytes", "records go in .jsonl files"]),
+    "empty file": (b"", ["the file is empty", "write a config's sections"]),
+    "top level a list": (b"- run\n- model\n", [":1", "top level must be a mapping", "got a list"]),
+    "nesting too deep": (b"run: " + b"[" * 100 + b"]" * 100 + b"\n", ["nested more than 64 levels deep", "flatten"]),
+    "value YAML cannot build": (b"run:\n  seed: 2024-13-45\n", ["a value cannot be read", "quote it"]),
+}
+
+
+@pytest.mark.parametrize("case", list(YAML_FILE_CASES))
+def test_config_file_case(tmp_path, capsys, case):
+    body, needles = YAML_FILE_CASES[case]
+    config = tmp_path / "c.yaml"
+    config.write_bytes(body)
+    start = time.monotonic()
+    assert main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - start < 20, "refused quickly"
+    for needle in [str(config), *needles]:
+        assert needle in err, (needle, err)
+    assert "Traceback" not in err and len(max(err.splitlines(), key=len)) < 1500
+
+
+@pytest.mark.parametrize("case", ["duplicate key", "billion laughs", "not UTF-8", "binary file"])
+def test_data_yaml_file_case(world, tmp_path, capsys, case):
+    body, needles = YAML_FILE_CASES[case]
+    data_yaml = tmp_path / "d.yaml"
+    data_yaml.write_bytes(body.replace(b"run:", b"datasets:") if case == "duplicate key" else body)
+    err = _fails(capsys, tmp_path, _config(world, tmp_path, f"  data_yaml: {data_yaml}\n"))
+    for needle in [str(data_yaml), *needles[1:]]:
+        assert needle.replace("run.", "datasets.") in err, (needle, err)
+
+
+def test_config_that_is_a_folder(tmp_path, capsys):
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
+
+
+# --- non-finite numbers ---------------------------------------------------------------------------------
+
+NON_FINITE_CASES = {
+    "NaN learning rate": (["grpo.args.learning_rate=.nan"], "grpo.args.learning_rate = nan"),
+    "nan as a TRL string": (["grpo.args.beta=nan"], "grpo.args.beta = 'nan'"),
+    "infinite reward weight": (["grpo.rewards=[{name: iou, weight: .inf}]"], "grpo.rewards.0.weight = inf"),
+    "NaN in reward kwargs": (["grpo.rewards=[{name: iou_threshold, kwargs: {threshold: .nan}}]"],
+                             "grpo.rewards.0.kwargs.threshold = nan"),
+    "infinite temperature": (["eval.temperature=-.inf"], "eval.temperature = -inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE_CASES))
+def test_non_finite_number_case(world, tmp_path, capsys, case):
+    overrides, needle = NON_FINITE_CASES[case]
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), *overrides)
+    assert needle in err and "finite number" in err, err
+
+
+@pytest.mark.parametrize("solution", ["[NaN, 2, 20, 20]", [2, 2, "Infinity", 20], "[2, 2, 1e999, 20]"])
+def test_non_finite_box(world, tmp_path, capsys, solution):
+    rows = [GOOD, {**GOOD, "solution": solution}]
+    if isinstance(solution, list):  # JSON's Infinity, written as the bare word
+        raw = json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "solution": [2, 2, 0, 20]}).replace("0, 20]", "Infinity, 20]") + "\n"
+        source = _source(world, tmp_path, raw=raw)
+    else:
+        source = _source(world, tmp_path, rows)
+    err = _fails(capsys, tmp_path, _config(world, tmp_path, source))
+    assert "d.jsonl:2" in err and "not a finite number" in err and "four finite numbers" in err, err
+
+
+# --- module:function rewards whose import misbehaves ------------------------------------------------------
+
+REWARD_MODULES = {
+    "raises": ("raise RuntimeError('no GPU here')\n", ["raised RuntimeError: no GPU here", "fix the module"]),
+    "exits": ("import sys\nsys.exit(0)\n", ["called sys.exit(0)", "remove that call"]),
+    "ends the process": ("import os\nos._exit(0)\n", ["ended the Python process (exit status 0)"]),
+    "hangs": ("import time\nwhile True:\n    time.sleep(0.1)\n", ["did not finish in 2 s", "VLMEXP_REWARD_IMPORT_TIMEOUT"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REWARD_MODULES))
+def test_reward_module_import_case(world, tmp_path, capsys, monkeypatch, case):
+    body, needles = REWARD_MODULES[case]
+    name = f"hostile_reward_{case.replace(' ', '_')}"
+    (tmp_path / f"{name}.py").write_text(body + "def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VLMEXP_REWARD_IMPORT_TIMEOUT", "2")
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"grpo.rewards=[{{name: '{name}:score'}}]")
+    assert f"{name}:score" in err and "grpo.rewards.0.name" in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert name not in sys.modules, "validation imports in a child process"
+
+
+# --- entry points' own arguments and output paths ---------------------------------------------------------
+
+def _unwritable(tmp_path: Path) -> Path:
+    """A folder this process cannot write in: a read-only folder, or for root (who may write anywhere on
+    a normal mount) a folder under /proc."""
+    if os.geteuid() == 0:
+        return Path("/proc/vlmexp-not-writable")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return ro / "inside"
+
+
+def test_output_dir_that_is_a_file(world, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"run.output_dir={tmp_path / 'taken'}")
+    assert "run.output_dir" in err and "is a file, not a folder" in err
+
+
+def test_output_dir_that_cannot_be_written(world, tmp_path, capsys):
+    place = _unwritable(tmp_path)
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"run.output_dir={place}")
+    assert "run.output_dir" in err and "cannot be" in err and "choose a writable place" in err
+
+
+@pytest.mark.parametrize("where", ["missing folder under a file", "unwritable", "a folder"])
+def test_sample_out_that_cannot_be_written(world, tmp_path, capsys, where):
+    data_yaml = tmp_path / "d.yaml"
+    data_yaml.write_text(_source(world, tmp_path, [GOOD]))
+    data_yaml.write_text("datasets:\n" + _source(world, tmp_path, [GOOD]).split("\n", 1)[1])
+    (tmp_path / "file").write_text("x")
+    out = {"missing folder under a file": tmp_path / "file" / "new" / "s.jsonl",
+           "unwritable": _unwritable(tmp_path) / "s.jsonl", "a folder": tmp_path}[where]
+    assert main(["sample", str(data_yaml), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and str(out) in err and "Traceback" not in err, err
+
+
+def test_checkpoint_arguments(world, tmp_path, capsys):
+    config = _config(world, tmp_path)
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_bytes(b"\xff{}")
+    for argv in (["eval", str(tmp_path / "none"), "--config", str(config)],
+                 ["export", str(bad), "--config", str(config)],
+                 ["train", "grpo", "--config", str(config), "--model", str(tmp_path / "none")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert ("no such folder" in err or "not UTF-8" in err) and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "out" / "data").exists(), "refused before sampling anything"
+
+
+def test_long_values_are_cut(world, tmp_path, capsys):
+    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"eval.batch_size={'x' * 5000}")
+    line = next(line for line in err.splitlines() if "eval.batch_size =" in line)
+    assert "..." in line and line.count("x") < 450, line  # the value at most ~200 characters, in the override too
+
+
+@pytest.mark.slow
+def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
+    """`vlmexp run`: the flow's tasks fail on bad data; Prefect's log shows the problems, not a traceback."""
+    import subprocess
+
+    source = _source(world, tmp_path, raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
+    config = _config(world, tmp_path, source)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "run", str(config), "pipeline.retries=0"],
+                       capture_output=True, text=True, cwd=tmp_path, check=False,
+                       env={**os.environ, "PREFECT_HOME": str(tmp_path / "p")})
+    output = r.stdout + r.stderr
+    assert r.returncode == 2, output
+    assert "d.jsonl:2" in output and "not a finite number" in output and "Traceback" not in output, output

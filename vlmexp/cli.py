@@ -14,6 +14,13 @@ from vlmexp.errors import Problem, VlmexpError
 FAMILY_NAMES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
+def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> None:
+    """Refuse the command's own arguments before any work: (option, value, problem or None) each."""
+    problems = [Problem(f"vlmexp {command}", option, message, value) for option, value, message in checks if message]
+    if problems:
+        raise VlmexpError(problems, title=f"invalid arguments to vlmexp {command}")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from vlmexp.config_loader import load_config
 
@@ -23,8 +30,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from vlmexp.paths import check_output_dir
     from vlmexp.tiny import make_tiny_model
 
+    check_arguments("make-tiny-model", ("DIR", args.dir, check_output_dir(args.dir)))
     out = make_tiny_model(args.dir, args.family)
     print(f"wrote tiny {args.family} model to {out}")
     return 0
@@ -32,7 +41,11 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
     from vlmexp.data.demo import Scenes, make_demo_data
+    from vlmexp.paths import check_output_dir
 
+    counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
+              for k in ("train", "val")]
+    check_arguments("make-demo-data", ("DIR", args.dir, check_output_dir(args.dir)), *counts)
     try:
         scenes = Scenes(tuple(args.width), tuple(args.height), tuple(args.objects), args.background)
     except ValueError as e:
@@ -46,7 +59,10 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from vlmexp.data.sample import format_report, sample_sources
     from vlmexp.data.sources import load_data_yaml
+    from vlmexp.paths import check_output_file
 
+    manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
+    check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
     result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed)
     print(format_report(result))
     print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
@@ -83,9 +99,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import load_config
     from vlmexp.data.prepare import prepare_data
-    from vlmexp.evaluate import evaluate
+    from vlmexp.evaluate import check_sampled_records, evaluate
+    from vlmexp.paths import check_checkpoint, check_output_dir
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
+    check_arguments("eval", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
+                    ("--out", args.out, args.out and check_output_dir(args.out)))
+    if args.records:
+        check_sampled_records(args.records)
     records = args.records or prepare_data(cfg).val
     if records is None:
         raise VlmexpError([Problem(args.config, "data.val_datasets", "no held-out records: set data.val_datasets, "
@@ -102,7 +123,15 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     from vlmexp.data.sample import atomic_write
     from vlmexp.evaluate import score_predictions
+    from vlmexp.paths import check_output_file
 
+    pixels = [(f"--{k.replace('_', '-')}", getattr(args, k), "must be a positive number of pixels")
+              for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None and getattr(args, k) <= 0]
+    if args.min_pixels and args.max_pixels and args.min_pixels > args.max_pixels:
+        pixels.append(("--min-pixels", args.min_pixels, f"exceeds --max-pixels {args.max_pixels}; swap them"))
+    root = args.image_root
+    check_arguments("score", *pixels, ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
+                    ("--image-root", root, root and not Path(root).is_dir() and "no such folder; fix the path"))
     metrics, rows = score_predictions(args.predictions, args.family, args.min_pixels, args.max_pixels, args.image_root)
     if args.per_sample:
         atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -116,10 +145,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import dump_config, load_config
     from vlmexp.export import export_model
+    from vlmexp.paths import check_checkpoint, check_output_dir
     from vlmexp.tracking import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     out = Path(args.out or Path(cfg.run.output_dir) / "export")
+    file = out.exists() and not out.is_dir() and f"{out} is a file, not a folder; choose another path"
+    check_arguments("export", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
+                    ("--out", str(out), file or check_output_dir(out.parent)))  # replaced as a whole, from beside
     with tempfile.TemporaryDirectory() as tmp:
         resolved = dump_config(cfg, Path(tmp) / "config.resolved.yaml")
         export_model(cfg, args.checkpoint, out, {"config": args.config, "overrides": args.overrides,
@@ -152,8 +185,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import load_config
     from vlmexp.launch import is_launched_process, stage_command
+    from vlmexp.paths import check_checkpoint
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
+    if args.model and not args.dry_run:
+        check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
     command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name)
     if args.dry_run:
         print(shlex.join(command))

@@ -12,7 +12,7 @@ import re
 import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from vlmexp.data.demo import Scenes
 from vlmexp.families import FAMILIES, TINY_PREFIX
@@ -39,7 +39,7 @@ TEMPLATE_FIELDS = {"problem", "frame"}
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "Input should be a finite number"
 
 
 class RunConfig(Section):
@@ -280,10 +280,11 @@ class RewardSpec(Section):
 
     @field_validator("name")
     @classmethod
-    def _known(cls, v: str) -> str:
+    def _known(cls, v: str, info: ValidationInfo) -> str:
         from vlmexp.rewards import check_reward_name
 
-        check_reward_name(v)
+        # validation imports a module:function reward's module in a child process (its top-level code runs)
+        check_reward_name(v, import_module=(info.context or {}).get("import_rewards", True))
         return v
 
 

@@ -7,6 +7,7 @@ path, the bad value, and the fix. YAML is parsed with the safe loader only.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
-from vlmexp.errors import ConfigError, Problem, change_the_value
-
-Loc = tuple[str | int, ...]
+from vlmexp.errors import ConfigError, Problem, change_the_value, short
+from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml, read_yaml_mapping
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
                 check_trl: bool = True) -> Config:
-    """Read, override and validate a config. Raises ConfigError with all problems found."""
+    """Read, override and validate a config. Raises ConfigError with all problems found.
+
+    `check_trl`: also build TRL's config classes from the args and import each module:function reward (in a
+    child process); off for a config that was validated already (a run's resolved copy)."""
     raw, lines = read_yaml_with_lines(path)
     problems: list[Problem] = []
     override_locs: dict[Loc, str] = {}
@@ -30,30 +33,35 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
             loc = apply_override(raw, item)
             override_locs[loc] = item
         except ValueError as e:
-            problems.append(Problem(f"override {item!r}", "", str(e)))
+            problems.append(Problem(f"override {short(item)}", "", str(e)))
 
     def where(loc: Loc) -> str:
         for set_loc, item in override_locs.items():  # the override set this field, or something inside it
             n = min(len(loc), len(set_loc))
             if n and loc[:n] == set_loc[:n]:
-                return f"override {item!r}"
+                return f"override {short(item)}"
         for n in range(len(loc), -1, -1):
             if loc[:n] in lines:
                 return f"{path}:{lines[loc[:n]]}"
         return str(path)
 
+    non_finite = dict(_non_finite(raw, ()))  # anywhere, kwargs and TRL args included
+    problems += [Problem(where(loc), _dotted(loc), "not a finite number (NaN or infinity); write a finite number",
+                         value) for loc, value in non_finite.items()]
     cfg = None
     try:
-        cfg = Config.model_validate(raw)
+        cfg = Config.model_validate(raw, context={"import_rewards": check_trl})
     except ValidationError as e:
-        problems += [_problem_from_pydantic(err, where) for err in e.errors()]
+        problems += [_problem_from_pydantic(err, where) for err in e.errors()
+                     if not (err["type"] == "finite_number" and _clean(err["loc"]) in non_finite)]
     if cfg is not None and check_trl:
         from vlmexp.trl_args import check_trl_args
 
         for stage in ("sft", "grpo"):
             for key, value, message in check_trl_args(stage, getattr(cfg, stage).args):
                 loc: Loc = (stage, "args", key) if key else (stage, "args")
-                problems.append(Problem(where(loc), _dotted(loc), message, value))
+                if loc not in non_finite:
+                    problems.append(Problem(where(loc), _dotted(loc), message, value))
     if cfg is not None and check_paths:
         from vlmexp.paths import check_config_paths
 
@@ -63,42 +71,14 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
     return cfg
 
 
-def read_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[Loc, int]]:
-    """Parse a YAML mapping safely; also return the 1-based line of every key and list item."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(Problem(str(p), "", "file not found: check the path (relative paths start at "
-                                              "the current directory)"), title="invalid config")
-    text = p.read_text(encoding="utf-8")
+def read_yaml_with_lines(path: str | Path, expected: str = "a config's sections (run, model, data, ...) or a data "
+                                                           "YAML's `datasets:` list") -> tuple[dict[str, Any], dict[Loc, int]]:
+    """Parse a YAML mapping safely and within bounds (`vlmexp.yaml_reader`); also return the 1-based line of
+    every key and list item. Raises ConfigError naming the file (and line or byte) and the fix."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or str(e)
-        raise ConfigError(Problem(f"{p}{line}", "", f"YAML syntax error: {reason}; fix the YAML at that line"),
-                          title=f"invalid config {p}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(Problem(str(p), "", f"top level must be a mapping of sections, got "
-                                              f"{type(raw).__name__}"), title=f"invalid config {p}")
-    lines: dict[Loc, int] = {}
-    _collect_lines(node, (), lines)
-    return raw, lines
-
-
-def _collect_lines(node, loc: Loc, out: dict[Loc, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            sub = loc + (key_node.value,)
-            out[sub] = key_node.start_mark.line + 1
-            _collect_lines(value_node, sub, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out[loc + (i,)] = item.start_mark.line + 1
-            _collect_lines(item, loc + (i,), out)
+        return read_yaml_mapping(path, expected)
+    except YamlProblems as e:
+        raise ConfigError(e.problems, title=f"invalid config {path}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -107,9 +87,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ValueError("overrides look like section.key=value, e.g. grpo.args.learning_rate=1e-6")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"value {value!r} is not valid YAML ({e.__class__.__name__}); quote it") from None
+        parsed = parse_yaml(value, "the value")[0] if value.strip() else ""
+    except YamlProblems as e:
+        raise ValueError(f"value {short(value)}: {e.problems[0].message} (or quote the value)") from None
     return key.strip().split("."), parsed
 
 
@@ -139,12 +119,29 @@ def apply_override(raw: dict[str, Any], item: str) -> Loc:
     return tuple(loc)
 
 
+def _non_finite(value: Any, loc: Loc):
+    """(location, value) of every NaN or infinite float inside a parsed YAML value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield loc, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, (*loc, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, (*loc, i))
+
+
+def _clean(loc: tuple) -> Loc:
+    """A pydantic error location without its validator steps ('function-after[...]')."""
+    return tuple(x for x in loc if not (isinstance(x, str) and x.startswith("function-")))
+
+
 def _dotted(loc: Loc) -> str:
     return ".".join(str(x) for x in loc)
 
 
 def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
-    loc: Loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+    loc = _clean(err["loc"])
     kind = err["type"]
     msg = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
@@ -155,6 +152,8 @@ def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
         return Problem(where(loc), _dotted(loc), f"unknown key; remove it or fix its spelling ({fix})")
     if kind == "missing":
         return Problem(where(loc[:-1]) if loc[:-1] else where(loc), _dotted(loc), "required; add this field")
+    if kind == "finite_number":
+        msg = f"{msg}, not NaN or infinity; write a finite number"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "enum"):
         msg = f"{msg}; {change_the_value(str(loc[-1]), value)}"
     return Problem(where(loc), _dotted(loc), msg, value)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from vlmexp.errors import short
 from vlmexp.families import BoxFrame
 
 Box = list[float]  # [x1, y1, x2, y2]
@@ -99,18 +100,22 @@ _NUMBERS = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?
                       r"\s*(-?\d+(?:\.\d+)?)\s*\]")
 
 
-def parse_box(value: Any) -> Box | None:
+def parse_box(value: Any, _depth: int = 0) -> Box | None:
     """A box from a list, a string holding a list, `<answer>...</answer>`, or Qwen's {"bbox_2d": [...]}.
 
-    Returns None when no box can be read; never guesses.
+    Returns None when no box can be read; never guesses. Raises ValueError (the reason and the fix) when a
+    box is there but a coordinate is NaN or infinite (JSON's NaN/Infinity, a number over 1.8e308): such a
+    box would pass every comparison-based check and reach the sampled data.
     """
+    if _depth > 3:  # [[{"bbox_2d": ...}]] at most; deeper nesting holds no box
+        return None
     if isinstance(value, dict):
-        return parse_box(value.get("bbox_2d", value.get("bbox")))
+        return parse_box(value.get("bbox_2d", value.get("bbox")), _depth + 1)
     if isinstance(value, (list, tuple)):
         if len(value) == 1 and isinstance(value[0], (dict, list, tuple)):
-            return parse_box(value[0])
+            return parse_box(value[0], _depth + 1)
         if len(value) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            return [float(v) for v in value]
+            return _finite(value)
         return None
     if not isinstance(value, str):
         return None
@@ -118,11 +123,23 @@ def parse_box(value: Any) -> Box | None:
     text = m.group(1) if m else value
     try:
         parsed = json.loads(text.strip())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer of over 4300 digits, thousands of brackets
         parsed = None
     if parsed is not None:
-        box = parse_box(parsed)
+        box = parse_box(parsed, _depth + 1)
         if box is not None:
             return box
     m = _NUMBERS.search(text)
-    return [float(g) for g in m.groups()] if m else None
+    return _finite(m.groups()) if m else None
+
+
+def _finite(values: Sequence[Any]) -> Box:
+    try:
+        box = [float(v) for v in values]
+    except OverflowError:  # an integer too large for a float
+        box = [math.inf]
+    if not all(math.isfinite(v) for v in box):
+        shown = ", ".join(short(v, 24, text=True) for v in values)
+        raise ValueError(f"box [{shown}] has a coordinate that is not a finite number (NaN or infinity); "
+                         f"write four finite numbers [x1, y1, x2, y2] in original pixels")
+    return box

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 _MISSING = object()
+VALUE_LIMIT = 200  # characters of a bad value shown in a problem
+MESSAGE_LIMIT = 1000  # characters of a problem's place or message (a value quoted inside an exception's text)
 
 
 @dataclass(frozen=True)
@@ -16,14 +20,38 @@ class Problem:
     value: Any = _MISSING
 
     def __str__(self) -> str:
-        head = ": ".join(part for part in (self.where, self.field) if part)
-        value = "" if self.value is _MISSING else f" = {_short(self.value)}"
-        return f"{head}{value}: {self.message}"
+        head = ": ".join(short(part, MESSAGE_LIMIT, text=True) for part in (self.where, self.field) if part)
+        value = "" if self.value is _MISSING else f" = {short(self.value)}"
+        return f"{head}{value}: {short(self.message, MESSAGE_LIMIT, text=True)}"
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+class _BoundedRepr(reprlib.Repr):
+    """repr() that stops early: a few levels, a few items, bytes as their length. The time it takes does
+    not grow with the value (a billion-laughs list, a 1 GB string)."""
+
+    def __init__(self, limit: int):
+        super().__init__()  # keyword arguments only from Python 3.12
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = self.maxset = self.maxfrozenset = 8
+        self.maxdeque = 8
+        self.maxstring = self.maxlong = self.maxother = limit
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        return f"<{len(value)} bytes>"
+
+    repr_bytearray = repr_memoryview = repr_bytes
+
+
+def short(value: Any, limit: int = VALUE_LIMIT, text: bool = False) -> str:
+    """The one place a value is cut for a message: at most `limit` characters, bytes shown as `<N bytes>`.
+    `text=True` shows a string as it is (a message, a path); otherwise values are shown as repr()."""
+    if text and isinstance(value, str):
+        shown = value
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(value)} bytes>"
+    else:
+        shown = _BoundedRepr(limit).repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def change_the_value(key: str, value: Any) -> str:
@@ -60,3 +88,20 @@ class ConfigError(VlmexpError):
 
 class DataError(VlmexpError):
     title = "invalid data"
+
+
+class _NoTracebackForBadInput(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], VlmexpError):
+            record.exc_info, record.exc_text = None, None  # the message already holds every problem
+        return True
+
+
+def quiet_bad_input_tracebacks(*logger_names: str) -> None:
+    """Log a VlmexpError (bad input) that an orchestrator reports, e.g. Prefect's "Task run failed with
+    exception", without its traceback: the error lists every problem with the fix, and a traceback would
+    read as a crash. Any other exception keeps its traceback. Idempotent."""
+    for name in logger_names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
+            logger.addFilter(_NoTracebackForBadInput())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
+from vlmexp.errors import short
 
 log = logging.getLogger("vlmexp.eval")
 METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
@@ -100,6 +101,33 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
     if problems:
         raise DataError(problems, title=f"invalid predictions file {path}")
     return records, completions
+
+
+SAMPLED_FIELDS = ("record_format", "task", "image_paths", "image_sizes")
+
+
+def check_sampled_records(path: str | Path) -> None:
+    """Refuse a records file for `vlmexp eval --records` that `vlmexp sample` did not write (or that was
+    changed since): every line a record with the sampled fields, readable as its format, its images present.
+    Raises DataError listing every problem."""
+    from vlmexp.data.formats import parse_record
+    from vlmexp.data.sources import read_records
+    from vlmexp.errors import DataError, Problem
+
+    problems = []
+    for where, record in read_records(path):
+        missing = [k for k in SAMPLED_FIELDS if k not in record]
+        try:
+            if missing:
+                raise ValueError(f"missing the sampled fields {missing}; write the file with `vlmexp sample`")
+            parse_record(record, record["record_format"], record["task"])
+            paths = record["image_paths"]
+            if not isinstance(paths, list) or not all(isinstance(x, str) and Path(x).is_file() for x in paths):
+                raise ValueError(f"image_paths {short(paths)} are not all existing files; sample the data again")
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(Problem(where, "", str(e)))
+    if problems:
+        raise DataError(problems[:50], title=f"invalid records file {path}")
 
 
 def score_predictions(path: str | Path, family_name: str, min_pixels: int | None = None,

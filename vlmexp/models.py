@@ -23,12 +23,14 @@ def check_model_path(path: str) -> str | None:
     """None when `path` is a tiny spec, a hub id, or a local model folder; otherwise the problem and fix."""
     if path.startswith(TINY_PREFIX) or is_hub_id(path):
         return None
+    from vlmexp.paths import check_checkpoint
+
     p = Path(path).expanduser()
     if not p.exists():
         return "no such folder, and not a hub id (org/name); fix model.path or use tiny:qwen2_5_vl"
     if not (p / "config.json").is_file():
         return f"{p} has no config.json: point model.path at a Hugging Face model folder"
-    return None
+    return check_checkpoint(p)
 
 
 def tiny_spec(cfg: ModelConfig):

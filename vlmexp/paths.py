@@ -1,13 +1,16 @@
-"""Existence checks behind `vlmexp validate` (skipped with --no-check-paths)."""
+"""Path checks behind `vlmexp validate` (skipped with --no-check-paths) and the commands' own arguments:
+what must exist does, what will be read can be read, and what will be written can be written, all
+before any work starts."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config, DataSource
-from vlmexp.errors import DataError
+from vlmexp.errors import DataError, short
 from vlmexp.models import check_model_path
 
 Found = tuple[tuple[str | int, ...], Any, str]  # (location in the config, value, message)
@@ -55,6 +58,8 @@ def check_config_paths(cfg: Config) -> list[Found]:
     out: list[Found] = []
     if msg := check_model_path(cfg.model.path):
         out.append((("model", "path"), cfg.model.path, msg))
+    if msg := check_output_dir(cfg.run.output_dir):
+        out.append((("run", "output_dir"), cfg.run.output_dir, msg))
     d = cfg.data
     out += _check_sources(d.datasets or [], ("data", "datasets"))
     out += _check_sources(d.val_datasets or [], ("data", "val_datasets"))
@@ -66,8 +71,79 @@ def check_config_paths(cfg: Config) -> list[Found]:
         if value and not Path(value).is_file():
             out.append((("launch", key), value, "file not found; fix the path"))
     if launch.deepspeed and Path(launch.deepspeed).is_file():
-        try:
-            json.loads(Path(launch.deepspeed).read_text())
-        except json.JSONDecodeError as e:
-            out.append((("launch", "deepspeed"), launch.deepspeed, f"not valid JSON (line {e.lineno}: {e.msg})"))
+        _, msg = read_json_file(launch.deepspeed)
+        if msg:
+            out.append((("launch", "deepspeed"), launch.deepspeed, msg))
     return out
+
+
+def read_json_file(path: str | Path, limit: int = 64 << 20) -> tuple[Any, str | None]:
+    """(parsed JSON, None), or (None, what is wrong with the file and the fix): unreadable, over `limit`
+    bytes, not UTF-8, not JSON (with the line)."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > limit:
+            return None, f"{p} has {p.stat().st_size} bytes, over the {limit} a JSON settings file may have"
+        data = p.read_bytes()
+    except OSError as e:
+        return None, f"{p} cannot be read ({e.strerror or e}); check the path and permissions"
+    try:
+        return json.loads(data.decode("utf-8-sig")), None
+    except UnicodeDecodeError as e:
+        return None, f"{p} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+    except json.JSONDecodeError as e:
+        return None, f"{p} is not valid JSON (line {e.lineno}: {e.msg}); fix the file"
+    except (ValueError, RecursionError) as e:
+        return None, f"{p} cannot be read as JSON ({e.__class__.__name__}); fix the file"
+
+
+def check_output_dir(path: str | Path) -> str | None:
+    """None when `path` is a folder that can be written, or one that can be created; else why not.
+
+    Writing is tried (a temporary file, removed at once) rather than predicted from permission bits,
+    which say nothing for root, ACLs or read-only mounts."""
+    p = Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a folder; choose another path or move the file away"
+    existing = next((a for a in (p, *p.parents) if a.exists()), Path("/"))
+    if not existing.is_dir():
+        return f"{existing} is a file, so the folder {p} cannot be created there; choose another path"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        doing = "written" if existing == p else f"created ({existing} cannot be written)"
+        return f"the folder {p} cannot be {doing}: {e.strerror or e}; choose a writable place"
+    return None
+
+
+def check_output_file(path: str | Path) -> str | None:
+    """None when a file can be written at `path` (created or replaced); else why not."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        return f"{p} is a folder; give a file path"
+    return check_output_dir(p.parent)
+
+
+def check_checkpoint(path: str | Path) -> str | None:
+    """None when `path` is a model folder (config.json of a known family) or a LoRA adapter folder
+    (adapter_config.json naming a usable base); else what is wrong and the fix."""
+    from vlmexp.families import FAMILIES
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return f"{p}: no such folder; give a model folder or a LoRA adapter folder (e.g. outputs/demo/grpo/final)"
+    if (p / "adapter_config.json").is_file():
+        adapter, msg = read_json_file(p / "adapter_config.json")
+        base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+        if msg or not isinstance(base, str):
+            return msg or f"{p}/adapter_config.json names no base_model_name_or_path; re-save the adapter"
+        return check_model_path(base)
+    if not (p / "config.json").is_file():
+        return f"{p} has no config.json or adapter_config.json; point at a saved model or adapter folder"
+    config, msg = read_json_file(p / "config.json")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if msg or model_type not in FAMILIES:
+        return msg or (f"{p}/config.json: model_type {short(model_type)} is not a supported family; supported: "
+                       f"{', '.join(sorted(FAMILIES))}")
+    return None

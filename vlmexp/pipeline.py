@@ -23,6 +23,21 @@ class StageFailed(RuntimeError):
     """A stage's process exited non-zero; the message has the exit code and its last output lines."""
 
 
+def check_pipeline_parameters(config: object, overrides: object) -> None:
+    """The flow's parameters as a deployment may pass them: `config` a path, `overrides` a list of k=v
+    strings. Raises ConfigError naming the parameter, the value and the fix."""
+    from vlmexp.errors import ConfigError, Problem
+
+    problems = []
+    if not isinstance(config, str) or not config.strip():
+        problems.append(Problem("flow parameter", "config", "give the path of a config YAML", config))
+    if overrides is not None and (not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides)):
+        problems.append(Problem("flow parameter", "overrides", "give a list of strings like "
+                                "'grpo.args.learning_rate=1e-6' (or leave it out)", overrides))
+    if problems:
+        raise ConfigError(problems, title="invalid pipeline parameters")
+
+
 def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
     """Load and validate (all problems at once); write the resolved config as <output_dir>/.config.pending.yaml.
 

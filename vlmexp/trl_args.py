@@ -39,10 +39,10 @@ def _field_types(stage: str) -> dict[str, Any]:
 
 
 def _adapter(annotation: Any):
-    from pydantic import TypeAdapter
+    from pydantic import ConfigDict, TypeAdapter
 
-    try:
-        return TypeAdapter(annotation)
+    try:  # "nan" or "inf" as a string is a float to pydantic: refused like the config tree's own numbers
+        return TypeAdapter(annotation, config=ConfigDict(allow_inf_nan=False))
     except Exception:  # noqa: BLE001 - some annotations (arbitrary classes) have no pydantic schema:
         return None  # those fields are left to TRL's own checks, which run on every value anyway
 
@@ -72,7 +72,8 @@ def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], l
             out[key] = adapter.validate_python(value)
         except ValidationError as e:
             reason = e.errors()[0]["msg"]
-            fix = change_the_value(key, value)
+            finite = e.errors()[0]["type"] == "finite_number"
+            fix = "write a finite number, not NaN or infinity" if finite else change_the_value(key, value)
             problems.append((key, value, f"{reason} (trl.{cls_name}.{key} is {types[key]}); {fix}"))
     return out, problems
 

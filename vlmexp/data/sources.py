@@ -221,7 +221,9 @@ class ConcatTable:
 
 
 def read_records(path: str | Path) -> list[Row]:
-    """Every record of a local source as (where, record); DataError listing every unreadable row."""
+    """Every record of a local file as (where, record); DataError listing every unreadable row."""
+    if not Path(path).is_file():
+        raise DataError(Problem(str(path), "", "file not found; check the path"))
     table = open_table(DataSource(json_path=str(path)))
     rows = list(table.take(range(len(table))))
     problems = [Problem(where, "", rec) for where, rec in rows if isinstance(rec, str)]
@@ -239,7 +241,7 @@ def load_data_yaml(path: str | Path) -> list[DataSource]:
 
     p = Path(path)
     try:
-        raw, lines = read_yaml_with_lines(p)
+        raw, lines = read_yaml_with_lines(p, "a `datasets:` list of {json_path, sampling_strategy, ...}")
     except ConfigError as e:
         raise DataError(e.problems, title=f"invalid data YAML {p}") from None
     entries = raw.get("datasets") if isinstance(raw, dict) else None
