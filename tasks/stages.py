@@ -34,7 +34,21 @@ def validate_config(config: str, overrides: list[str]) -> str:
     return str(pending)
 
 
-@task(name="sample-data", cache_policy=NO_CACHE)
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry a failed task unless it failed on bad input (a VlmexpError): the same input fails the same way,
+    while a Hub outage or a full disk may pass on the next try."""
+    from vlmexp.errors import VlmexpError
+
+    try:
+        state.result()
+    except VlmexpError:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
+@task(name="sample-data", cache_policy=NO_CACHE, retry_condition_fn=retry_unless_bad_input)
 def sample_data(pending: str) -> dict[str, str | None]:
     """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""

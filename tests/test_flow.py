@@ -205,3 +205,10 @@ def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_pa
     after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
     assert {p: h for p, h in after.items() if p in before} == before  # nothing of the earlier run changed
     assert {p.name for p in after.keys() - before.keys()} <= {".config.pending.yaml"}  # nothing half-written
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:  # bad input is not retried: the same data fails the same way
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    [sampling] = [r for r in runs if r.name.startswith("sample-data")]
+    assert sampling.run_count == 1 and sampling.state.is_failed()
