@@ -26,31 +26,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# Qwen2.5-VL-3B-Instruct's config.json (text and vision towers)
-TEXT_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000)
-VISION_3B = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                 fullatt_block_indexes=[7, 15, 23, 31])
-ROPE_3B = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 
-
-def build(tiny: bool, device, dtype):
+def build(spec, device, dtype):
+    """(model, processor): random weights at `spec`'s shape (vlmexp.tiny.SHAPES), the embedded processor."""
     import transformers
 
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
-    from vlmexp.tiny import make_tiny_model
+    from vlmexp.tiny import make_tiny_model, model_config
 
-    folder = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", "qwen2_5_vl")
-    processor = load_processor(folder, get_family("qwen2_5_vl"))
-    config = transformers.AutoConfig.from_pretrained(folder)
-    if not tiny:
-        for k, v in TEXT_3B.items():
-            setattr(config.text_config, k, v)
-        config.text_config.rope_parameters = ROPE_3B
-        config.text_config.tie_word_embeddings = True
-        for k, v in VISION_3B.items():
-            setattr(config.vision_config, k, v)
+    family = get_family("qwen2_5_vl")
+    folder = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", family.name)  # tokenizer, processor
+    processor = load_processor(folder, family)
+    config = model_config(family, spec, processor.tokenizer)
     with device:
         model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
             config, dtype=dtype, attn_implementation="sdpa")
@@ -91,7 +79,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     G, new_tokens, side = (2, 16, 56) if args.tiny else (8, 256, 448)
-    model, processor = build(args.tiny, device, dtype)
+    from vlmexp.tiny import SHAPES, TinySpec
+
+    model, processor = build(TinySpec() if args.tiny else SHAPES["qwen2.5-vl-3b"], device, dtype)
     lm_params = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
     tokenizer = processor.tokenizer
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find the red circle."}]}]

@@ -85,3 +85,50 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
         assert 0 < v["completion_length"] <= 48
     assert variants[default]["ratio_to_default"] == 1.0
     assert variants["beta 0.04 (reference model)"]["overrides"] == ["grpo.args.beta=0.04"]
+
+
+GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "grpo") for mode in ("full", "lora64") for ckpt in ("on", "off")}
+GPU_CASES |= {"autoprocessor", "gpu_grpo_phases", "deepspeed-zero2-sft"}
+
+
+def test_gpu_harness_dry_run_plans_every_case(tmp_path):
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(tmp_path), "--dry-run"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result) == {"shape", "environment", "budget_s", "cases"} and set(result["cases"]) == GPU_CASES
+    shape = result["shape"]
+    assert (shape["spec"], shape["dtype"], shape["side"], shape["G"], shape["new_tokens"]) == (
+        "qwen2.5-vl-3b", "bfloat16", 448, 8, 256)
+    assert all(c["status"] == "planned" for c in result["cases"].values())
+    assert result["environment"]["packages"]["transformers"] and "device" in result["environment"]
+    lora = result["cases"]["grpo-lora64-ckptoff"]["overrides"]
+    assert any("r: 64" in o for o in lora) and "grpo.args.activation_checkpointing=false" in lora
+
+
+@pytest.mark.slow
+def test_gpu_harness_tiny_trains_both_stages_without_mlflow_or_prefect(tmp_path):
+    """The harness at the tiny shape on CPU, mlflow and prefect made unimportable in the training processes
+    (as on a GPU box that lacks them): each case trains and reports its figures."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work", str(tmp_path / "work"),
+                        "--only", "sft-lora64-ckpton,grpo-full-ckptoff"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((out / "results.json").read_text())
+    assert set(result["cases"]) == GPU_CASES and result["model_build_s"] > 0 and result["matmul_peak_tflops"] > 0
+    sft, grpo = result["cases"]["sft-lora64-ckpton"], result["cases"]["grpo-full-ckptoff"]
+    assert sft["status"] == grpo["status"] == "ok", (sft.get("log_tail"), grpo.get("log_tail"))
+    assert result["cases"]["sft-full-ckpton"]["status"] == "not selected"
+    common = {"steps", "step_s", "tokens_per_step", "tokens_per_s", "mfu", "peak_gpu_memory_gib",
+              "trainable_parameters", "lm_parameters", "processor_class", "imported", "peft"}
+    assert common <= set(sft["figures"]) and sft["figures"]["peft"] == "lora"
+    assert common | {"generation_s", "logprob_pass_s", "update_s", "generated_tokens_per_step",
+                     "generation_tokens_per_s"} <= set(grpo["figures"])
+    for case in (sft, grpo):
+        f = case["figures"]
+        assert f["steps"] == 3 and f["step_s"] > 0 and f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1
+        assert f["imported"]["mlflow"] is False and f["imported"]["prefect"] is False
+    # a LoRA step trains the adapters only; 2 completions x 8 new tokens, EOS held back by min_new_tokens
+    assert sft["figures"]["trainable_parameters"] < sft["figures"]["lm_parameters"]
+    assert grpo["figures"]["generated_tokens_per_step"] == 16 and grpo["figures"]["update_s"] > 0

@@ -54,6 +54,36 @@ class TinySpec:
     vision_heads: int = 4
     vocab_size: int = 1024  # BPE vocabulary before special tokens
     seed: int = 0
+    # Left None, these follow from the sizes above; set, they give a published checkpoint's shape (SHAPES).
+    head_dim: int | None = None  # text attention; Qwen2(.5)-VL requires hidden_size = num_heads x head_dim
+    model_vocab_size: int | None = None  # embedding rows; default: the tokenizer's length rounded up to 64
+    vision_intermediate_size: int | None = None  # default: 2 x vision_hidden_size
+    vision_fullatt_blocks: tuple[int, ...] | None = None  # qwen2_5_vl windowed attention; default: the last block
+    mrope_section: tuple[int, int, int] | None = None  # default: split of head_dim / 2 (it must sum to that)
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+
+# Published shapes of real checkpoints (random weights: cost and shape bugs do not depend on the values).
+# Qwen/Qwen2.5-VL-3B-Instruct config.json on the Hub: text hidden_size 2048, intermediate_size 11008,
+# num_hidden_layers 36, num_attention_heads 16 (head_dim 128), num_key_value_heads 2, vocab_size 151936,
+# max_position_embeddings 128000, rope_theta 1e6, mrope_section [16, 24, 24], tie_word_embeddings true;
+# vision depth 32, hidden_size 1280, intermediate_size 3420, num_heads 16, fullatt_block_indexes
+# [7, 15, 23, 31], window_size 112, patch_size 14 (out_hidden_size = the text hidden_size).
+# Qwen/Qwen2.5-VL-7B-Instruct config.json: text hidden_size 3584, intermediate_size 18944, num_hidden_layers
+# 28, num_attention_heads 28 (head_dim 128), num_key_value_heads 4, vocab_size 152064, rope_theta 1e6,
+# mrope_section [16, 24, 24], tie_word_embeddings false; vision as the 3B's (out_hidden_size 3584).
+_QWEN25_VISION = dict(vision_hidden_size=1280, vision_intermediate_size=3420, vision_depth=32, vision_heads=16,
+                      vision_fullatt_blocks=(7, 15, 23, 31))
+SHAPES: dict[str, TinySpec] = {
+    "qwen2.5-vl-3b": TinySpec(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2,
+                              head_dim=128, model_vocab_size=151936, mrope_section=(16, 24, 24), rope_theta=1e6,
+                              max_position_embeddings=128000, tie_word_embeddings=True, **_QWEN25_VISION),
+    "qwen2.5-vl-7b": TinySpec(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                              head_dim=128, model_vocab_size=152064, mrope_section=(16, 24, 24), rope_theta=1e6,
+                              max_position_embeddings=128000, tie_word_embeddings=False, **_QWEN25_VISION),
+}
 
 
 def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
@@ -116,28 +146,42 @@ def official_chat_template(family: Family) -> str:
     return (files("trl") / "chat_templates" / family.chat_template).read_text()
 
 
-def _model_config(family: Family, spec: TinySpec, tokenizer):
-    """A transformers config of the family at tiny sizes, wired to the tokenizer's special ids."""
+def model_config(family: Family, spec: TinySpec, tokenizer):
+    """A transformers config of the family at `spec`'s sizes, wired to the tokenizer's special ids.
+
+    The one place vlmexp and bench/ build a Qwen-VL config: every depth-dependent list (text `layer_types`,
+    vision full-attention blocks) is derived here from the depth, never left from another depth.
+    """
     import transformers
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = -(-len(tokenizer) // 64) * 64  # round up to a multiple of 64, as real checkpoints do
-    head_dim = spec.hidden_size // spec.num_heads
+    vocab = spec.model_vocab_size or -(-len(tokenizer) // 64) * 64  # rounded up to 64, as real checkpoints do
+    if vocab < len(tokenizer):
+        raise ValueError(f"model_vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens: raise it")
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    if family.name != "qwen3_vl" and head_dim * spec.num_heads != spec.hidden_size:
+        raise ValueError(f"{family.name} needs hidden_size = num_heads x head_dim; got {spec.hidden_size} != "
+                         f"{spec.num_heads} x {head_dim}: change hidden_size or num_heads")
     half = head_dim // 2  # mrope_section (t, h, w) must sum to head_dim / 2
-    mrope = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    mrope = list(spec.mrope_section or (half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8))
+    if sum(mrope) != half:
+        raise ValueError(f"mrope_section {mrope} must sum to head_dim / 2 = {half}")
     text = dict(
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
+        # transformers 5 reads one entry per layer; a list left from another depth fails the first forward
+        # with IndexError in the attention layer (issue 20)
+        layer_types=["full_attention"] * spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": mrope},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
     )
     vision = dict(
         depth=spec.vision_depth,
@@ -152,17 +196,17 @@ def _model_config(family: Family, spec: TinySpec, tokenizer):
     elif family.name == "qwen2_5_vl":
         vision.update(
             hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_hidden_size * 2,
+            intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
             out_hidden_size=spec.hidden_size,
             window_size=112,
-            fullatt_block_indexes=[spec.vision_depth - 1],
+            fullatt_block_indexes=list(spec.vision_fullatt_blocks or [spec.vision_depth - 1]),
         )
     else:  # qwen3_vl: explicit head_dim, interleaved mrope, deepstack features
         text.update(head_dim=head_dim)
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(
             hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_hidden_size * 2,
+            intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
             out_hidden_size=spec.hidden_size,
             num_position_embeddings=256,
             deepstack_visual_indexes=[spec.vision_depth - 1],
@@ -175,15 +219,17 @@ def _model_config(family: Family, spec: TinySpec, tokenizer):
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
     )
 
 
-def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinySpec | None = None) -> Path:
+def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinySpec | None = None,
+                    dtype: str | None = None, device: str | None = None) -> Path:
     """Write a random-weight model of `family` to `out_dir` and return it.
 
-    Written to a temporary sibling folder and renamed into place, so `out_dir` is either complete
-    or absent, never half-written.
+    `dtype` (e.g. "bfloat16") and `device` (e.g. "cuda") build a large shape (SHAPES) fast and in half the
+    disk; the defaults (float32 on CPU) give the embedded model. Written to a temporary sibling folder and
+    renamed into place, so `out_dir` is either complete or absent, never half-written.
     """
     import torch
     import transformers
@@ -199,9 +245,14 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
     out.parent.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tokenizer(fam, spec)
-    config = _model_config(fam, spec, tokenizer)
+    config = model_config(fam, spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = getattr(transformers, fam.model_class)(config)
+    model_class = getattr(transformers, fam.model_class)
+    if dtype is None and device is None:
+        model = model_class(config)
+    else:
+        with torch.device(device or "cpu"):
+            model = model_class._from_config(config, dtype=getattr(torch, dtype or "float32"))
     model.generation_config = GenerationConfig(
         eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
         pad_token_id=config.text_config.pad_token_id,

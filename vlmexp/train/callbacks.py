@@ -100,6 +100,8 @@ class CompletionTable(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.every or state.global_step % self.every or not state.is_world_process_zero or not self.batch:
             return
+        if "mlflow" not in (args.report_to or []):  # tracking none: mlflow may not even be installed
+            return
         import mlflow
 
         if mlflow.active_run() is None:

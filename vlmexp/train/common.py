@@ -260,11 +260,14 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last,
                  os.environ.get("MLFLOW_RUN_ID"))
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
-    from mlflow.exceptions import MlflowException
+    store_errors: tuple[type[BaseException], ...] = ()  # with tracking none, mlflow is never imported
+    if "mlflow" in (trainer.args.report_to or []):
+        from mlflow.exceptions import MlflowException
 
+        store_errors = (MlflowException,)
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
-    except MlflowException as e:
+    except store_errors as e:
         # transformers' MLflowCallback ends the MLflow run in on_train_end, after the last checkpoint: a
         # store that went away mid-run must not cost the finished model (the pipeline closes the run)
         if trainer.state.global_step < trainer.state.max_steps:

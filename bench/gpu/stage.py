@@ -1,0 +1,142 @@
+"""One training stage exactly as `vlmexp train sft|grpo` runs it in-process, plus a callback that records each step.
+
+    python bench/gpu/stage.py sft|grpo CONFIG RECORD.json [key=value ...] [--hide mlflow,prefect]
+
+`--hide` makes those packages unimportable in this process, as on a GPU box that lacks them (CI checks
+that `tracking.backend: none` trains without mlflow and prefect that way).
+
+`vlmexp train` (launcher local) calls `run_sft(cfg)` / `run_grpo(cfg)`; this calls the same functions
+(`run_grpo` is `build_grpo_trainer` + `train_and_save`, done here in two steps so the GRPO phases can be
+timed) with `StepRecorder` among the trainer's callbacks, and writes what it saw to RECORD.json:
+per optimizer step its wall time, GRPO's generation / log-prob / update split, the tokens TRL counted,
+peak GPU memory; and which of mlflow / prefect the run imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepRecorder(TrainerCallback):
+    """Wall time of each optimizer step (CUDA synchronised) and the phase times `timed` adds to `phases`."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.phases: dict[str, float] = {}
+        self.logs: list[dict] = []
+        self._t0 = 0.0
+        self.model_info: dict = {}
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        self.model_info = {**parameter_counts(model), "processor_class": type(processing_class).__name__}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        sync()
+        self.phases, self._t0 = {}, time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        sync()
+        step = {"step": state.global_step, "step_s": time.perf_counter() - self._t0, **self.phases}
+        if torch.cuda.is_available():
+            step["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self.steps.append(step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append({"step": state.global_step, **{k: v for k, v in (logs or {}).items()
+                                                         if isinstance(v, (int, float))}})
+
+
+def timed(recorder: StepRecorder, phase, method):
+    """Wrap a bound method so each call's synchronised wall time is added to `phase(args)`'s total."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        sync()
+        t = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            sync()
+            recorder.add(phase(), time.perf_counter() - t)
+
+    return wrapper
+
+
+def instrument_grpo(trainer, recorder: StepRecorder) -> None:
+    """Time TRL's generation, the whole generate-and-score phase, and no-grad log-prob passes (old policy,
+    reference model); the update is the rest of the step (forward, backward, optimizer)."""
+    import torch
+
+    trainer._generate = timed(recorder, lambda: "generation_s", trainer._generate)
+    trainer._generate_and_score_completions = timed(recorder, lambda: "generate_and_score_s",
+                                                    trainer._generate_and_score_completions)
+    trainer._get_per_token_logps_and_entropies = timed(
+        recorder, lambda: "logprob_pass_s" if not torch.is_grad_enabled() else "policy_forward_s",
+        trainer._get_per_token_logps_and_entropies)
+
+
+def parameter_counts(model) -> dict[str, int]:
+    params = list(model.named_parameters())
+    return {"lm_parameters": sum(p.numel() for n, p in params if "visual" not in n and "lora_" not in n),
+            "vision_parameters": sum(p.numel() for n, p in params if "visual" in n and "lora_" not in n),
+            "trainable_parameters": sum(p.numel() for _, p in params if p.requires_grad)}
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["sft", "grpo"])
+    parser.add_argument("config")
+    parser.add_argument("record")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--hide", default="", help="comma-separated packages to make unimportable")
+    args = parser.parse_args()
+    for name in filter(None, args.hide.split(",")):
+        sys.modules[name] = None  # type: ignore[assignment]  # import fails, find_spec says absent
+    stage, config, record, overrides = args.stage, args.config, args.record, args.overrides
+    from vlmexp.config_loader import load_config
+    from vlmexp.train.common import train_and_save
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.sft import run_sft
+
+    cfg = load_config(config, overrides)
+    recorder = StepRecorder()
+    peft = getattr(cfg, stage).peft
+    result: dict = {"stage": stage, "overrides": overrides, "peft": peft.method if peft else None,
+                    "hidden_packages": args.hide}
+    if stage == "sft":
+        final = run_sft(cfg, callbacks=[recorder])
+    else:
+        trainer, inputs, rows = build_grpo_trainer(cfg, None, [recorder])
+        instrument_grpo(trainer, recorder)
+        final = train_and_save(trainer, inputs, rows)
+    result.update(recorder.model_info, final=str(final), steps=recorder.steps, logs=recorder.logs,
+                  peak_memory=json.loads((Path(final).parent / "peak_memory.json").read_text()),
+                  imported={m: sys.modules.get(m) is not None for m in ("mlflow", "prefect", "torchvision", "deepspeed")})
+    Path(record).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
