@@ -67,9 +67,15 @@ def expected_grid(image_sizes, budget) -> torch.Tensor:
 
 
 def pixel_checksums(pixel_values: torch.Tensor, grids: torch.Tensor, num_images: list[int]) -> list[float]:
-    """One number per sample: the sum of its pixel rows (the rows of its images, in order)."""
-    rows = [int(g.sum()) for g in grids.prod(-1).split(num_images)]
-    return [float(part.double().sum()) for part in pixel_values.split(rows)]
+    """One number per sample: the sum of every 64th value of its pixel rows (enough to tell two images of one
+    grid apart; a sixty-fourth of the work of summing them all, which took ~1 s per demo step on 2 CPU cores)."""
+    device = pixel_values.device
+    image_of_row = torch.repeat_interleave(torch.arange(len(grids), device=device), grids.prod(-1).to(device))
+    sample_of_image = torch.repeat_interleave(torch.arange(len(num_images), device=device),
+                                              torch.tensor(num_images, device=device))
+    per_row = pixel_values[:, ::64].sum(-1, dtype=torch.float64)  # [rows]
+    sums = torch.zeros(len(num_images), dtype=torch.float64, device=device)
+    return sums.index_add_(0, sample_of_image[image_of_row], per_row).tolist()
 
 
 def check_pairing(batch: dict[str, Any], image_pad_id: int, merge_size: int, step: int) -> None:
