@@ -1,6 +1,7 @@
 """What the GRPO pairing guard costs per optimizer step (vlmexp/train/grpo_pairing.py).
 
-    .venv/bin/python bench/grpo_guard.py [--steps 8] [--out bench/results/grpo_guard.json]
+    .venv/bin/python bench/grpo_guard.py [--steps 8] [--prompts-per-step 8] [--new-tokens 48]
+        [--out bench/results/grpo_guard.json]
 
 The demo's GRPO step (8 prompts x G 8, 48 new tokens, T 0.7) from the tiny random model on demo scenes of
 mixed sizes (width and height drawn from 80-160 pixels: several image grids in every generation batch),
@@ -22,14 +23,15 @@ from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
 MIXED = ["data.demo.train=128", "data.demo.val=8", "data.demo.width=[80,160]", "data.demo.height=[80,160]"]
-STEP = ["grpo.args.per_device_train_batch_size=8", "grpo.args.gradient_accumulation_steps=8",
-        "grpo.args.num_generations=8", "grpo.args.max_completion_length=48", "grpo.args.temperature=0.7",
+STEP = ["grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=8", "grpo.args.temperature=0.7",
         "grpo.args.logging_steps=1", 'grpo.args.save_strategy="no"']
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="gradient_accumulation_steps")
+    parser.add_argument("--new-tokens", type=int, default=48, help="max_completion_length")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_guard.json"))
     args = parser.parse_args()
     from vlmexp.config_loader import load_config
@@ -37,9 +39,11 @@ def main() -> None:
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import expected_grid
 
+    overrides = [*MIXED, *STEP, f"grpo.args.gradient_accumulation_steps={args.prompts_per_step}",
+                 f"grpo.args.max_completion_length={args.new_tokens}", f"grpo.args.max_steps={args.steps}"]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(REPO / "configs" / "demo.yaml", [f"run.output_dir={tmp}", "tracking.backend=none", *MIXED,
-                                                           *STEP, f"grpo.args.max_steps={args.steps}"])
+        cfg = load_config(REPO / "configs" / "demo.yaml", [f"run.output_dir={tmp}", "tracking.backend=none",
+                                                           *overrides])
         trainer, inputs, _ = build_grpo_trainer(cfg)
         grids = {tuple(expected_grid(r["image_sizes"], inputs.budget).flatten().tolist())
                  for r in read_jsonl(inputs.train_path)}
@@ -48,7 +52,7 @@ def main() -> None:
         trainer.train()
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h][1:]
     guard = per_step[1:]
-    result = {"steps": args.steps, "overrides": MIXED + STEP,
+    result = {"steps": args.steps, "overrides": overrides,
               "guard_s_per_step": {"median": statistics.median(guard), "max": max(guard)},
               "step_time_s": {"median": statistics.median(steps), "min": min(steps), "max": max(steps)},
               "guard_share_of_step": statistics.median(guard) / statistics.median(steps),

@@ -85,3 +85,26 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
         assert 0 < v["completion_length"] <= 48
     assert variants[default]["ratio_to_default"] == 1.0
     assert variants["beta 0.04 (reference model)"]["overrides"] == ["grpo.args.beta=0.04"]
+
+
+def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "bench/grpo_guard.py", "--steps", "3", "--prompts-per-step", "2",
+                        "--new-tokens", "4", "--out", str(out)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["image_grids_in_data"] >= 3 and "grpo.args.gradient_accumulation_steps=2" in result["overrides"]
+    assert 0 < result["guard_s_per_step"]["median"] < result["step_time_s"]["median"]
+
+
+def test_demo_seeds_bench_reports_each_model_and_phase(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "bench/demo_seeds.py", "configs/demo_mixed.yaml", "data.demo.train=16",
+                        "data.demo.val=4", "sft.args.max_steps=2", "sft.args.per_device_train_batch_size=8",
+                        "grpo.args.max_steps=1", "grpo.args.max_completion_length=4", "--out", str(out)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["rec_mean_iou"]) == {"base", "sft", "grpo"}
+    assert list(result["seconds"]) == ["start-up (imports, data, tiny model)", "sft", "grpo", "evaluation (3 models)"]
