@@ -9,7 +9,7 @@ What goes wrong is the row of image-token TYPES. `GRPOTrainer._generate_and_scor
 `processing_class(images=..., text=..., padding=True)`, which pads on the processor's own `padding_side`.
 Qwen-VL processors pad on the right; TRL only sets "left" on a processor it loads itself, and the pipeline
 passes its own (TRL maintainers: configuring it is the caller's job, huggingface/trl#5785). In a generation
-batch whose prompts differ in length (different image grids), every shorter prompt's image-token types sit
+batch whose prompts differ in length (image grids or text), every shorter prompt's image-token types sit
 to the left of its image tokens. Qwen-VL's get_rope_index then builds 3D positions from those types: cut by
 the attention mask, the count no longer matches the grid ("shape mismatch: value tensor of shape [3, 196]
 cannot be broadcast to indexing result of shape [3, 180]"), or, when the padding is shorter than the text
