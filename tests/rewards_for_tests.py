@@ -28,3 +28,27 @@ def sometimes_broken(prompts, completions, **kwargs):
     sometimes_broken.calls = getattr(sometimes_broken, "calls", -1) + 1
     return [holes[(sometimes_broken.calls + i // 4) % 3] if i % 4 == 0 else len(set(completion_text(c))) / 20
             for i, c in enumerate(completions)]
+
+
+def record_check(prompts, completions, source_row, image_sizes, solution, **kwargs):
+    """1.0 where the sample's prompt image, text, image size and solution are all its record's (looked up by
+    `source_row` in `record_check.records`, set by the test), else 0.0 with the sample noted in `.mismatches`."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    scores = []
+    for prompt, row, sizes, sol in zip(prompts, source_row, image_sizes, solution, strict=True):
+        record = record_check.records[row]
+        images = [p["image"] for m in prompt if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"]
+        with Image.open(record["image_paths"][0]) as im:
+            own = np.asarray(im.convert("RGB"))
+        ok = (len(images) == 1 and np.array_equal(np.asarray(images[0]), own) and sizes == record["image_sizes"]
+              and record["problem"] in prompt[-1]["content"][-1]["text"] and json.loads(sol) == record["solution"])
+        if not ok:
+            record_check.mismatches.append(row)
+        scores.append(float(ok))
+    record_check.seen += len(scores)
+    return scores

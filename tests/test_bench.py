@@ -132,3 +132,26 @@ def test_gpu_harness_tiny_trains_both_stages_without_mlflow_or_prefect(tmp_path)
     # a LoRA step trains the adapters only; 2 completions x 8 new tokens, EOS held back by min_new_tokens
     assert sft["figures"]["trainable_parameters"] < sft["figures"]["lm_parameters"]
     assert grpo["figures"]["generated_tokens_per_step"] == 16 and grpo["figures"]["update_s"] > 0
+
+
+def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "bench/grpo_guard.py", "--steps", "3", "--prompts-per-step", "2",
+                        "--new-tokens", "4", "--out", str(out)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["image_grids_in_data"] >= 3 and "grpo.args.gradient_accumulation_steps=2" in result["overrides"]
+    assert 0 < result["guard_s_per_step"]["median"] < result["step_time_s"]["median"]
+
+
+def test_demo_seeds_bench_reports_each_model_and_phase(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "bench/demo_seeds.py", "configs/demo_mixed.yaml", "data.demo.train=16",
+                        "data.demo.val=4", "sft.args.max_steps=2", "sft.args.per_device_train_batch_size=8",
+                        "grpo.args.max_steps=1", "grpo.args.max_completion_length=4", "--out", str(out)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["rec_mean_iou"]) == {"base", "sft", "grpo"}
+    assert list(result["seconds"]) == ["start-up (imports, data, tiny model)", "sft", "grpo", "evaluation (3 models)"]

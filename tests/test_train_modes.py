@@ -160,24 +160,3 @@ def test_qlora_is_refused_on_cpu_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match=r"sft\.peft\.method = 'qlora'.*CUDA GPU.*method: lora"):
         run_sft(_cfg(tmp_path / "out", "sft.peft={method: qlora}"))
     assert not (tmp_path / "out").exists()
-
-
-def test_grpo_refuses_mixed_image_sizes_in_one_generation_batch_before_training(tmp_path):
-    from vlmexp.train.grpo import run_grpo
-
-    # demo scenes of mixed sizes (the demo config's are all 112 x 112, which may share a batch)
-    cfg = _cfg(tmp_path, "data.demo.width=[160,320]", "data.demo.height=[120,280]", "grpo.args.max_steps=2",
-               "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4")
-    with pytest.raises(ConfigError, match=r"per_device_train_batch_size = 8: .*different image sizes.*"
-                                          r"set per_device_train_batch_size to num_generations"):
-        run_grpo(cfg)
-    assert not (tmp_path / "grpo").exists()
-    # the demo config's scenes are all 112 x 112: two prompts per generation batch pass the check
-    from types import SimpleNamespace
-
-    from vlmexp.data.prepare import prepare_data
-    from vlmexp.train.grpo import check_one_prompt_per_generation_batch
-
-    same = _cfg(tmp_path / "same", "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4")
-    args = SimpleNamespace(per_device_train_batch_size=8, steps_per_generation=1, num_generations=4)
-    check_one_prompt_per_generation_batch(args, prepare_data(same).train)

@@ -1,0 +1,158 @@
+"""GRPO with images of different sizes: why TRL 1.16 paired completions with the wrong image positions, the
+fix, and a guard that stops training if a completion is ever paired with images that are not its prompt's.
+
+Root cause (trl 1.16.0, transformers 5.23, found with the tiny Qwen2.5-VL): the pairing of samples with
+their images is right all the way (split_pixel_values_by_grid / shuffle_sequence_dict / split_tensor_dict /
+unsplit_pixel_values_by_grid keep `pixel_values`, `image_grid_thw` and `num_images` together per sample).
+What goes wrong is the row of image-token TYPES. `GRPOTrainer._generate_and_score_completions` left-pads
+`prompt_ids` itself, but takes `mm_token_type_ids` (1 where a token is an image token) from
+`processing_class(images=..., text=..., padding=True)`, which pads on the processor's own `padding_side`.
+Qwen-VL processors pad on the right; TRL only sets "left" on a processor it loads itself, and the pipeline
+passes its own (TRL maintainers: configuring it is the caller's job, huggingface/trl#5785). In a generation
+batch whose prompts differ in length (image grids or text), every shorter prompt's image-token types sit
+to the left of its image tokens. Qwen-VL's get_rope_index then builds 3D positions from those types: cut by
+the attention mask, the count no longer matches the grid ("shape mismatch: value tensor of shape [3, 196]
+cannot be broadcast to indexing result of shape [3, 180]"), or, when the padding is shorter than the text
+before the image, it silently gives image positions to text tokens. Generation is not affected (TRL
+left-pads the per-prompt types it gets from apply_chat_template there): only the log-probabilities the
+loss is computed from are. One prompt per generation batch means no padding, hence the old refusal.
+
+Fix: a left-padding processor (`left_pad`), what TRL itself sets up. Any number of prompts and image
+sizes per generation batch then train with HF generate. vLLM colocate shares the same scoring path
+(`_generate_and_score_completions` builds the same forward inputs whatever generated the completions), so
+the fix and the guard hold there too. vLLM has a separate, known fault of its own in trl 1.16: it receives
+prompt ids with the image placeholders already expanded plus the raw image and may expand them again
+(huggingface/trl#6401, fix proposed in #6718); the guard sees the tensors the loss uses, not vLLM's
+internal prompt, so check vLLM rollouts against HF generate before trusting them.
+
+Guard: every micro-batch that reaches the loss is checked per sample against its own record (the image
+grid the pixel budget gives the record's `image_sizes`, the number of image tokens, the image-token types)
+and against the pixels the processor made for it (a checksum taken before TRL shuffles and splits the
+generation batch, so two images of one grid cannot trade places unseen). It also catches TRL's other silent path: when any sample's image-token count does not
+match its grids, `_generate_and_score_completions` drops the images of the whole batch ("Drop all images",
+`has_mismatch`; in trl 1.16 reachable through tool-returned images) and would train on the text alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from vlmexp.coords import smart_resize
+
+# per-sample (record label, expected image grids [n_images, 3], pixel checksum) that travels with the
+# generation batch through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
+EXPECTED = "vlmexp_expected_images"
+
+
+class PairingError(RuntimeError):
+    """A completion reached the loss with images, grids or image-token positions that are not its prompt's."""
+
+
+def left_pad(processor) -> None:
+    """Pad prompts on the left, as GRPOTrainer's own `prompt_ids` are (see the module docstring)."""
+    getattr(processor, "tokenizer", processor).padding_side = "left"
+
+
+def expected_grid(image_sizes, budget) -> torch.Tensor:
+    """[n_images, 3] (t, h, w) patch grids the Qwen-VL processor gives images of `image_sizes` [[w, h], ...]."""
+    rows = []
+    for width, height in image_sizes or []:
+        h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
+        rows.append([1, h // budget.patch_size, w // budget.patch_size])
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+
+def pixel_checksums(pixel_values: torch.Tensor, grids: torch.Tensor, num_images: list[int]) -> list[float]:
+    """One number per sample: the sum of every 64th value of its pixel rows (enough to tell two images of one
+    grid apart; a sixty-fourth of the work of summing them all, which took ~1 s per demo step on 2 CPU cores)."""
+    device = pixel_values.device
+    image_of_row = torch.repeat_interleave(torch.arange(len(grids), device=device), grids.prod(-1).to(device))
+    sample_of_image = torch.repeat_interleave(torch.arange(len(num_images), device=device),
+                                              torch.tensor(num_images, device=device))
+    per_row = pixel_values[:, ::64].sum(-1, dtype=torch.float64)  # [rows]
+    sums = torch.zeros(len(num_images), dtype=torch.float64, device=device)
+    return sums.index_add_(0, sample_of_image[image_of_row], per_row).tolist()
+
+
+def check_pairing(batch: dict[str, Any], image_pad_id: int, merge_size: int, step: int) -> None:
+    """Raise PairingError unless each sample of the micro-batch carries its own record's images."""
+    labels, expected, checksums = zip(*batch[EXPECTED], strict=True)
+    want_images = [len(e) for e in expected]
+    if not sum(want_images):
+        return
+    grids, pixels = batch.get("image_grid_thw"), batch.get("pixel_values")
+    if grids is None or pixels is None:
+        raise PairingError(
+            f"GRPO step {step}: the records of this batch have {sum(want_images)} image(s) but the batch reaching "
+            "the loss has none: TRL dropped the images of the whole batch (GRPOTrainer's 'Drop all images' "
+            "fallback when some sample's image-token count does not match its grids, e.g. truncated) and would "
+            "train on the text alone; stopped before the update. Raise max_completion_length or remove the "
+            "cause of the truncation")
+    problems = []
+    if list(batch.get("num_images") or []) != want_images:
+        problems.append(f"images per sample {batch.get('num_images')}, records have {want_images}")
+    else:
+        got = torch.split(grids.cpu(), want_images)
+        problems += [f"sample {i} ({labels[i]}): grid {g.tolist()}, its record's {e.tolist()}"
+                     for i, (g, e) in enumerate(zip(got, expected, strict=True)) if not torch.equal(g, e)]
+        if int(grids.prod(-1).sum()) == pixels.size(0):
+            sums = pixel_checksums(pixels, grids, want_images)
+            problems += [f"sample {i} ({labels[i]}): pixels of another image (checksum {s:.6g}, its own {c:.6g})"
+                         for i, (s, c) in enumerate(zip(sums, checksums, strict=True))
+                         if abs(s - c) > 1e-6 * max(1.0, abs(c))]
+    is_image = batch["prompt_ids"] == image_pad_id  # [B, P]
+    want_tokens = torch.tensor([int(e.prod(-1).sum()) // merge_size**2 for e in expected], device=is_image.device)
+    problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's grid needs "
+                 f"{want_tokens[i].item()}" for i, n in enumerate(is_image.sum(1).tolist()) if n != want_tokens[i]]
+    types = batch.get("mm_token_type_ids")
+    if types is not None:
+        off = ((types[:, : is_image.size(1)] == 1) != is_image).any(1)
+        problems += [f"sample {i} ({labels[i]}): image-token types do not line up with its image tokens "
+                     "(the processor pads on the other side)" for i in off.nonzero().flatten().tolist()]
+    if int(grids.prod(-1).sum()) != pixels.size(0):
+        problems.append(f"{pixels.size(0)} pixel rows for grids needing {int(grids.prod(-1).sum())}")
+    if problems:
+        raise PairingError(
+            f"GRPO step {step}: completions paired with images that are not their prompt's ({len(problems)} "
+            f"problem(s)): {'; '.join(problems[:4])}. Training stopped before the update; this TRL version "
+            "breaks the pairing (vlmexp/train/grpo_pairing.py explains the one fixed for trl 1.16)")
+
+
+class GuardedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with the pairing guard; training itself is TRL's, unchanged.
+
+    `_generate_and_score_completions` attaches each sample's expected grids (from its `image_sizes` column)
+    to the generation batch; `_prepare_inputs` checks the micro-batch it returns for the loss.
+    `guard_seconds` adds up the time the guard costs (bench/grpo_guard.py reports it per step).
+    """
+
+    def __init__(self, *args, pixel_budget, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pixel_budget, self.guard_seconds = pixel_budget, 0.0
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training and "image_sizes" in inputs[0]:
+            start = time.perf_counter()
+            grids = [expected_grid(x["image_sizes"], self.pixel_budget) for x in inputs]
+            got, n = output.get("image_grid_thw"), [len(g) for g in grids]
+            sums = (pixel_checksums(output["pixel_values"], got, n) if got is not None and len(got) == sum(n)
+                    and int(got.prod(-1).sum()) == output["pixel_values"].size(0) else [0.0] * len(inputs))
+            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", g, s)
+                                for x, g, s in zip(inputs, grids, sums, strict=True)]
+            self.guard_seconds += time.perf_counter() - start
+        return output
+
+    def _prepare_inputs(self, generation_batch):
+        batch = super()._prepare_inputs(generation_batch)
+        if EXPECTED in batch:
+            start = time.perf_counter()
+            check_pairing(batch, self.image_pad_id, self.pixel_budget.merge_size, self.state.global_step)
+            self.guard_seconds += time.perf_counter() - start
+        return batch
