@@ -6,6 +6,7 @@ the train task's retry starts the stage deployment again, which resumes from tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -29,10 +30,11 @@ def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subproces
     while not (checkpoint / "trainer_state.json").is_file():
         assert watch.poll() is None and time.monotonic() < deadline, f"{checkpoint} never appeared"
         time.sleep(0.2)
-    procs = psutil.Process(worker.pid).children(recursive=True)
-    commands = [" ".join(p.cmdline())[:160] for p in procs]
+    procs, commands = psutil.Process(worker.pid).children(recursive=True), []
     for p in procs:
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that just exited
+            commands.append(" ".join(p.cmdline())[:160])
+            p.kill()
     psutil.wait_procs(procs, timeout=30)
     return commands
 
