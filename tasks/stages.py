@@ -8,7 +8,6 @@ re-running the flow with the same config and data skips them; `force` recomputes
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,61 +81,52 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     return parent
 
 
+def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters: dict[str, Any]) -> dict | None:
+    """When `pipeline.stage_deployments` names a deployment for `stage`: run the `vlm-stage` flow there as a
+    subflow of this task, wait, and return its result (a run that did not complete raises its error, so
+    this task's retry starts it again). Otherwise None: the caller runs the stage in this process."""
+    from vlmexp.pipeline import load_resolved, remote_result
+
+    name = load_resolved(resolved).pipeline.stage_deployments.get(stage)
+    if not name:
+        return None
+    from prefect.deployments import run_deployment
+
+    get_run_logger().info("%s runs as deployment %s", stage, name)
+    run = run_deployment(name, parameters={"stage": stage, "resolved": resolved, "key": key, **parameters},
+                         as_subflow=True)
+    get_run_logger().info("%s: flow run %s (%s) ended %s", stage, run.name, run.id, run.state.name)
+    return remote_result(name, str(run.id), run.state.type.value, run.state.message, folder, key)
+
+
 @task(name="train-stage", cache_key_fn=_key("train"), persist_result=True)
 def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
                 force: bool = False) -> dict[str, Any]:
-    """Run one training stage through the configured launcher as a subprocess, streaming its output.
+    """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
+    on the stage's deployment (`pipeline.stage_deployments`). A retry (same key) resumes from the newest
+    checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run."""
+    from vlmexp.pipeline import load_resolved, run_training_stage
 
-    The stage folder belongs to `key`: a retry (same key) resumes from the newest checkpoint, new inputs
-    archive the old folder first. The subprocess logs TRL's step metrics into this stage's MLflow child run.
-    """
-    from vlmexp.launch import stage_command
-    from vlmexp.pipeline import claim_stage_dir, load_resolved, run_streaming, stage_env
-    from vlmexp.tracking import curve_keys, make_tracker, plot_curves
-
-    logger = get_run_logger()
-    cfg = load_resolved(resolved)
-    stage_dir = Path(cfg.run.output_dir) / stage
-    resuming = not force and stage_dir.is_dir() and (stage_dir / "stage_key.json").is_file()
-    claim_stage_dir(stage_dir, key, fresh=force)
-    tracker = make_tracker(cfg)
-    run_file = stage_dir / "mlflow_run_id"
-    run_id = run_file.read_text().strip() if resuming and run_file.is_file() else ""
-    if not run_id:
-        run_id = tracker.start_stage(parent_run_id, stage, {"stage_key": key})
-        run_file.write_text(run_id + "\n")
-    command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}")
-    logger.info("running %s", " ".join(command))
-    start = time.monotonic()
-    try:
-        run_streaming(command, stage_env(tracker.subprocess_env(run_id)), logger.info)
-    except BaseException:
-        tracker.end(run_id, "FAILED")
-        raise
-    seconds = time.monotonic() - start
-    png = plot_curves(tracker, run_id, curve_keys(tracker, run_id, stage), stage_dir / "curves.png",
-                      f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
-    if png:
-        tracker.log_artifact(run_id, png, "plots")
-    memory = stage_dir / "peak_memory.json"
-    tracker.log_metrics(run_id, {"stage_seconds": seconds, **(json.loads(memory.read_text()) if memory.is_file() else {})})
-    tracker.end(run_id, "FINISHED")
-    return {"stage": stage, "final": str(stage_dir / "final"), "key": key, "run_id": run_id, "seconds": seconds,
-            "flow_run_id": str(flow_run.id)}
+    folder = Path(load_resolved(resolved).run.output_dir) / stage
+    result = _on_deployment(stage, resolved, folder, key, {"model": model, "parent_run_id": parent_run_id,
+                                                            "force": force})
+    if result is None:
+        result = run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
+    return {**result, "flow_run_id": str(flow_run.id)}
 
 
 @task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True)
 def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> dict[str, Any]:
-    """Generate on the held-out records with `model` and score with the training rewards."""
-    from vlmexp.evaluate import evaluate
-    from vlmexp.pipeline import load_resolved
+    """Generate on the held-out records with `model` and score with the training rewards (here, or on the
+    `eval` deployment)."""
+    from vlmexp.pipeline import load_resolved, run_evaluation
 
-    cfg = load_resolved(resolved)
-    start = time.monotonic()
-    result = evaluate(cfg, model, records, Path(cfg.run.output_dir) / "eval" / name)
-    get_run_logger().info("%s: %s", name, result.metrics)
-    return {"name": name, "model": model, "metrics": result.metrics, "samples": str(result.samples_path),
-            "key": key, "seconds": time.monotonic() - start}
+    folder = Path(load_resolved(resolved).run.output_dir) / "eval" / name
+    result = _on_deployment("eval", resolved, folder, key, {"name": name, "model": model, "records": records})
+    if result is None:
+        result = run_evaluation(name, resolved, key, model, records)
+    get_run_logger().info("%s: %s", name, result["metrics"])
+    return result
 
 
 @task(name="log-evaluation", cache_policy=NO_CACHE)

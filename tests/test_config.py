@@ -127,6 +127,8 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n", "less than 1"),
     (BASE + "launch:\n  launcher: torchrun\n  nnodes: 2\n", "rdzv_endpoint"),
     (BASE + "run:\n  name: 'bad name!'\n", "letters, digits"),
+    (BASE + "pipeline:\n  stage_deployments: {gpro: vlm-stage/gpu}\n", "unknown stage 'gpro'; stages that can run"),
+    (BASE + "pipeline:\n  stage_deployments: {grpo: gpu}\n", "write 'flow/deployment'"),
     (BASE + "grpo:\n  rewards: [{name: accuracy}]\n", "unknown reward 'accuracy'"),
     (BASE + "grpo:\n  rewards: [{name: 'nosuchmod:fn'}]\n", "cannot import"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n    - {json_path: a.json, sampling_strategy: "

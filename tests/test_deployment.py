@@ -3,76 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from conftest import SMALL_BATCHES
+from prefect_server import create_pools_and_deploy, prefect_server
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, seconds: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {seconds} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # the worker stops on SIGINT, not promptly on SIGTERM
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_deployments_run_from_a_worker_and_the_schedule_creates_runs(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    procs = []
-    try:
-        server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT)
-        procs.append(server)
-        _wait_http(f"http://127.0.0.1:{port}/api/health")
-
-        def prefect(*args, timeout=300):
-            r = subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True,
-                               timeout=timeout)
-            assert r.returncode == 0, f"prefect {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-            return r.stdout
-
-        prefect("work-pool", "create", "vlmexp", "--type", "process")
-        prefect("--no-prompt", "deploy", "--all")
-        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "vlmexp"], env=env, cwd=REPO,
-                                  stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT)
-        procs.append(worker)
+    with prefect_server(tmp_path) as server:
+        create_pools_and_deploy(server)  # the Kubernetes pool is created from the repository's template
+        env = server.env
+        server.worker("cpu")
+        prefect = server.cli
 
         out = tmp_path / "run"
         params = {"config": "configs/demo.yaml", "overrides": [
@@ -106,7 +50,3 @@ def test_deployments_run_from_a_worker_and_the_schedule_creates_runs(tmp_path):
             runs = asyncio.run(scheduled_runs())
         assert runs and all(r.state.name == "Scheduled" for r in runs)
         assert all(r.expected_start_time.weekday() == 0 for r in runs)  # "0 3 * * 1": Mondays
-    finally:
-        for proc in reversed(procs):
-            _stop(proc)
-    assert all(p.poll() is not None for p in procs)

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from vlmexp.config_loader import load_config
-from vlmexp.pipeline import StageFailed, claim_stage_dir, read_key, run_streaming, stage_done, stage_key
+from vlmexp.pipeline import (
+    StageFailed,
+    claim_stage_dir,
+    read_key,
+    remote_result,
+    run_streaming,
+    stage_done,
+    stage_key,
+    write_result,
+)
 from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +36,20 @@ def test_stage_keys_change_with_what_the_stage_depends_on_only():
     for override in ("grpo.args.beta=0.1", "tracking.backend=none", "pipeline.retries=5", "eval.batch_size=2"):
         assert stage_key(load_config(DEMO, [override]), "sft", "data1") == key, override
     assert stage_key(base, "grpo", "data1", upstream=key) != stage_key(base, "grpo", "data1", upstream="other")
+
+
+def test_a_stage_deployment_run_fails_the_task_with_its_error_and_completes_with_its_result(tmp_path):
+    crashed = "Process exited with status code: -9. Process exited due to a SIGKILL signal."
+    with pytest.raises(StageFailed, match=r"vlm-stage/gpu \(flow run fr-1\) ended CRASHED: Process exited with status "
+                                          r"code: -9"):
+        remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a")
+    with pytest.raises(StageFailed, match="completed but .*stage_result.json is not readable here .* must be shared"):
+        remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a")
+    write_result(tmp_path, {"key": "key-b", "final": "x"})
+    with pytest.raises(StageFailed, match="belongs to stage key key-b"):
+        remote_result("vlm-stage/gpu", "fr-3", "COMPLETED", None, tmp_path, "key-a")
+    write_result(tmp_path, {"key": "key-a", "final": "x"})
+    assert remote_result("vlm-stage/gpu", "fr-4", "COMPLETED", None, tmp_path, "key-a") == {"key": "key-a", "final": "x"}
 
 
 def test_a_stage_folder_of_other_inputs_is_archived_not_deleted(tmp_path):

@@ -19,6 +19,7 @@ from vlmexp.families import FAMILIES, TINY_PREFIX
 
 Task = Literal["rec", "math", "exact"]
 TASKS: tuple[str, ...] = ("rec", "math", "exact")
+DEPLOYABLE_STAGES: tuple[str, ...] = ("sft", "dpo", "grpo", "eval")  # pipeline.stage_deployments keys
 
 FRAME_HINTS = {
     "pixels": "in absolute pixel coordinates of the image",
@@ -339,7 +340,24 @@ class PipelineConfig(Section):
 
     retries: int = Field(1, ge=0, description="Retries per task; a retried training stage resumes from its "
                                               "last checkpoint.")
-    retry_delay_seconds: float = Field(10, ge=0)
+    retry_delay_seconds: float = Field(10, ge=0, description="Seconds between a task's failure and its retry.")
+    stage_deployments: dict[str, str] = Field(
+        default_factory=dict,
+        description="Run a stage as its own Prefect deployment (`flow/deployment`, e.g. `{grpo: vlm-stage/gpu}`) "
+                    "on that deployment's work pool; stages not named run in the flow's process. Keys: "
+                    + ", ".join(DEPLOYABLE_STAGES) + ".")
+
+    @field_validator("stage_deployments")
+    @classmethod
+    def _deployments(cls, value: dict[str, str]) -> dict[str, str]:
+        for stage, name in value.items():
+            if stage not in DEPLOYABLE_STAGES:
+                raise ValueError(f"unknown stage {stage!r}; stages that can run as a deployment: "
+                                 f"{', '.join(DEPLOYABLE_STAGES)}")
+            if not re.fullmatch(r"[^/\s]+/[^/\s]+", name):
+                raise ValueError(f"{stage}: {name[:200]!r} is not a deployment name; write 'flow/deployment', "
+                                 "e.g. 'vlm-stage/gpu'")
+        return value
 
 
 class LaunchConfig(Section):

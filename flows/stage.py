@@ -1,0 +1,28 @@
+"""The vlm-stage flow: ONE stage of vlm-pipeline, run as its own deployment on the work pool where the
+GPUs are (`pipeline.stage_deployments`). The pipeline's task starts it with `run_deployment` and waits.
+
+It runs exactly what the pipeline's task runs in-process (`vlmexp.pipeline.run_training_stage` or
+`run_evaluation`): the same stage folder, MLflow child run, stage_key.json and resume from the newest
+checkpoint. It takes paths, keys and run ids only; the output folder and the MLflow store must be the
+same on the flow's machine and on this one. Its result is written to <stage folder>/stage_result.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+
+@flow(name="vlm-stage", log_prints=True)
+def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, parent_run_id: str = "",
+              force: bool = False, name: str | None = None, records: str | None = None) -> dict[str, Any]:
+    """Train `stage` (sft, dpo, grpo) from `model`, or evaluate `model` as candidate `name` on `records`
+    (stage eval), for the resolved config at `resolved`."""
+    from vlmexp.pipeline import run_evaluation, run_training_stage
+
+    if stage == "eval":
+        if not (name and model and records):
+            raise ValueError(f"stage eval needs name, model and records; got {name=}, {model=}, {records=}")
+        return run_evaluation(name, resolved, key, model, records)
+    return run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)

@@ -1,0 +1,103 @@
+"""Stages on their own work pools, for real: a Prefect server, process pools `cpu` (the flow) and `gpu` (the
+stages) with a worker each, the deployments from prefect.yaml, and `prefect deployment run
+'vlm-pipeline/manual'` with `pipeline.stage_deployments` set. The GRPO stage run's processes (its flow run
+and the training process under it) are SIGKILLed after its first checkpoint, as a preempted node would be;
+the train task's retry starts the stage deployment again, which resumes from that checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_BATCHES
+from prefect_server import BIN, REPO, create_pools_and_deploy, prefect_server
+
+pytestmark = pytest.mark.slow
+SAVE_STEPS, MAX_STEPS = 2, 8
+STAGES = "pipeline.stage_deployments={sft: vlm-stage/gpu, grpo: vlm-stage/gpu, eval: vlm-stage/gpu}"
+
+
+def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subprocess.Popen, seconds: float = 600) -> list[str]:
+    """SIGKILL every process the `gpu` worker started (the stage's flow run and its training process) once
+    `checkpoint` is complete; the worker stays, as a replacement node would."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while not (checkpoint / "trainer_state.json").is_file():
+        assert watch.poll() is None and time.monotonic() < deadline, f"{checkpoint} never appeared"
+        time.sleep(0.2)
+    procs, commands = psutil.Process(worker.pid).children(recursive=True), []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that just exited
+            commands.append(" ".join(p.cmdline())[:160])
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)
+    return commands
+
+
+def _flow_runs(url: str) -> tuple[list, dict[str, str]]:
+    """Every flow run, and the log text of each vlm-stage run, read back through the API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+        flows = {f.id: f.name for f in client.read_flows()}
+        logs = {}
+        for r in (r for r in runs if flows[r.flow_id] == "vlm-stage"):
+            lines, page = [], [None]
+            while page:
+                page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id])), limit=200,
+                                        offset=len(lines))
+                lines += [log.message for log in page]
+            logs[str(r.id)] = "\n".join(lines)
+        parents = {str(r.id): client.read_task_run(r.parent_task_run_id).flow_run_id
+                   for r in runs if r.parent_task_run_id}
+    return [(flows[r.flow_id], r, parents.get(str(r.id))) for r in runs], logs
+
+
+def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    params = {"config": "configs/demo.yaml", "overrides": [
+        f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0", "data.demo.train=16", "data.demo.val=4",
+        "sft.args.max_steps=2", f"grpo.args.max_steps={MAX_STEPS}", f"grpo.args.save_steps={SAVE_STEPS}",
+        "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+        "grpo.args.max_completion_length=8", "eval.max_new_tokens=8", *SMALL_BATCHES]}
+    with prefect_server(tmp_path) as server:
+        create_pools_and_deploy(server)
+        server.worker("cpu")
+        gpu = server.worker("gpu")
+        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual", "--params",
+                                  json.dumps(params), "--watch", "--watch-timeout", "1500"], env=server.env, cwd=REPO,
+                                 stdout=open(tmp_path / "watch.log", "w"), stderr=subprocess.STDOUT)
+        killed = _kill_stage_run(gpu, out / "grpo" / f"checkpoint-{SAVE_STEPS}", watch)
+        assert watch.wait(1600) == 0 and "Completed" in (tmp_path / "watch.log").read_text(), \
+            (tmp_path / "watch.log").read_text()[-3000:]
+        runs, logs = _flow_runs(server.url)
+    assert any("vlmexp.cli train grpo" in c for c in killed), killed  # the stage run and its training process
+
+    pipeline = [r for name, r, _ in runs if name == "vlm-pipeline" and r.state.name == "Completed"]
+    assert len(pipeline) == 1 and pipeline[0].work_pool_name == "cpu"
+    stages = [(r.parameters["stage"], r.state.name, r, parent) for name, r, parent in runs if name == "vlm-stage"]
+    assert all(r.work_pool_name == "gpu" for _, _, r, _ in stages)
+    assert all(parent == pipeline[0].id for *_, parent in stages)  # linked as subflows of the pipeline's tasks
+    assert sorted(state for stage, state, *_ in stages if stage == "sft") == ["Completed"]
+    assert sorted(state for stage, state, *_ in stages if stage == "grpo") == ["Completed", "Crashed"]
+    assert sorted(state for stage, state, *_ in stages if stage == "eval") == ["Completed"] * 3  # base, sft, grpo
+    retried = next(r for stage, state, r, _ in stages if stage == "grpo" and state == "Completed")
+    assert f"(resume: {out / 'grpo' / f'checkpoint-{SAVE_STEPS}'})" in logs[str(retried.id)]
+
+    assert (out / "grpo" / "final" / "model.safetensors").is_file() and (out / "export" / "manifest.json").is_file()
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run_id = (out / "grpo" / "mlflow_run_id").read_text().strip()
+    for key in ("loss", "reward"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)  # each step once, across the kill
+    assert client.get_run(run_id).info.status == "FINISHED"
