@@ -60,11 +60,16 @@ def test_dpo_from_samples_trains_and_writes_pairs(tmp_path):
 def test_dpo_resume_gives_the_same_weights(tmp_path):
     from vlmexp.train.dpo import run_dpo
 
-    whole = run_dpo(_sampled_cfg(tmp_path / "whole", "dpo.args.max_steps=4", "dpo.args.save_steps=2"))
+    # a constant learning rate, so the run that stops at step 2 follows the same schedule as the whole one
+    steps = ["dpo.args.save_steps=2", "dpo.args.lr_scheduler_type=constant"]
+    whole = run_dpo(_sampled_cfg(tmp_path / "whole", "dpo.args.max_steps=4", *steps))
     split = tmp_path / "split"
-    run_dpo(_sampled_cfg(split, "dpo.args.max_steps=2", "dpo.args.save_steps=2"))  # stops at step 2
-    resumed = run_dpo(_sampled_cfg(split, "dpo.args.max_steps=4", "dpo.args.save_steps=2"))
+    run_dpo(_sampled_cfg(split, "dpo.args.max_steps=2", *steps))  # stops at step 2
+    resumed = run_dpo(_sampled_cfg(split, "dpo.args.max_steps=4", *steps))
     assert (split / "dpo" / "checkpoint-4").is_dir()
+    texts = [[(p["chosen"], p["rejected"]) for p in map(json.loads, (root / "dpo" / "pairs.jsonl").open())]
+             for root in (split, tmp_path / "whole")]
+    assert texts[0] == texts[1]  # same seed, same sampled pairs
     a, b = _weights(whole), _weights(resumed)
     assert not [k for k in a if not (a[k] - b[k]).abs().max() <= 1e-6]
 
