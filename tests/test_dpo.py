@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_png, write_jsonl
+from test_flow import prefect  # noqa: F401 - the module-scoped Prefect test harness
 
 from vlmexp.config_loader import load_config
 
@@ -110,3 +111,28 @@ def test_bad_pair_records_are_rejected_with_file_and_line(tmp_path):
     assert f"{data}:3" in text and "'rejected'" in text
     assert f"{data}:4" in text and "'chosen' must be a non-empty" in text
     assert not (tmp_path / "out" / "dpo").exists() or not list((tmp_path / "out" / "dpo").glob("checkpoint-*"))
+
+
+def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path):  # noqa: F811 - fixture
+    from test_flow import DEMO, SMALL, _artifacts, _mlflow, _run
+
+    out = tmp_path / "run"
+    dpo = ["dpo.enabled=true", "dpo.pairs.from=samples", "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12",
+           "dpo.pairs.min_margin=0.05", "dpo.args.max_steps=3", "dpo.args.save_steps=3", "dpo.args.logging_steps=1",
+           "dpo.args.per_device_train_batch_size=4", "dpo.args.max_length=256", "grpo.enabled=false",
+           "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *dpo])
+
+    client, _, runs = _mlflow(out)
+    assert set(runs) == {"demo-pipeline", "demo-sft", "demo-dpo", "eval"}
+    run_id = runs["demo-dpo"].info.run_id
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                "logps/chosen", "logps/rejected"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3], key
+    metrics = runs["demo-dpo"].data.metrics
+    assert metrics["pairs/prompts"] == 32 and metrics["pairs/pairs"] + metrics["pairs/prompts_without_pair"] == 32
+    assert {"pairs/pairs.jsonl", "pairs/pairs.json", "plots/curves.png"} <= set(_artifacts(client, run_id))
+    assert [row["model"] for row in result["evaluation"]] == ["base", "sft", "dpo"]
+    manifest = json.loads((out / "export" / "manifest.json").read_text())
+    assert manifest["evaluation"][-1]["model"] == "dpo" and "dpo" in manifest["mlflow_stage_run_ids"]
+    assert result["model"].endswith("dpo/final")
