@@ -102,7 +102,8 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
                            [im for im in images for _ in range(k)], opts.max_new_tokens, opts.temperature,
                            opts.batch_size)
     del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     pairs = []
     for i, record in enumerate(records):
         texts = completions[i * k:(i + 1) * k]
@@ -127,8 +128,8 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str], record:
     example = parse_record(record, record["record_format"], record["task"])
     solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
     n = len(texts)
-    columns = dict(solution=[solution] * n, task=[example.task] * n, image_sizes=[record["image_sizes"]] * n,
-                   image_path=[(record["image_paths"] or [""])[0]] * n)
+    columns = {"solution": [solution] * n, "task": [example.task] * n, "image_sizes": [record["image_sizes"]] * n,
+               "image_path": [(record["image_paths"] or [""])[0]] * n}
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     totals = [0.0] * n
     for reward, weight in zip(rewards, weights, strict=True):
