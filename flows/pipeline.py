@@ -1,4 +1,4 @@
-"""The vlm-pipeline flow: validate -> sample data -> SFT -> GRPO -> evaluate -> export.
+"""The vlm-pipeline flow: validate -> sample data -> SFT -> DPO -> GRPO -> evaluate -> export.
 
 Stages switch off in the config (`sft.enabled`, ...). Training, evaluation and export are cached by what
 they depend on, so a re-run with the same config and data skips them (`force=True` recomputes), and a
@@ -58,7 +58,7 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
     model, upstream, candidates = data["base_model"], "", [("base", data["base_model"], "")]
     stage_runs: dict[str, str] = {}
     tags: dict[str, str] = {}
-    for stage in ("sft", "grpo"):
+    for stage in ("sft", "dpo", "grpo"):
         if not getattr(cfg, stage).enabled:
             summary.append(f"| {stage} | disabled | | |")
             continue

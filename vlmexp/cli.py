@@ -202,6 +202,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from vlmexp.train.sft import run_sft
 
         final = run_sft(cfg)
+    elif args.stage == "dpo":
+        from vlmexp.train.dpo import run_dpo
+
+        final = run_dpo(cfg, args.model)
     else:
         from vlmexp.train.grpo import run_grpo
 
@@ -292,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
 
-    p = sub.add_parser("train", help="run one training stage (sft or grpo) in this process")
-    p.add_argument("stage", choices=("sft", "grpo"))
+    p = sub.add_parser("train", help="run one training stage (sft, dpo or grpo) in this process")
+    p.add_argument("stage", choices=("sft", "dpo", "grpo"))
     p.add_argument("--config", required=True)
     p.add_argument("--model", help="start from this model or adapter folder (e.g. the SFT stage's final/)")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")

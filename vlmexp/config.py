@@ -307,6 +307,37 @@ class GRPOStageConfig(StageConfig):
         return self
 
 
+class DPOPairsConfig(Section):
+    """Where DPO's preference pairs come from."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    from_: Literal["data", "samples"] = Field(
+        "data", alias="from", description="data: records with chosen/rejected answers; samples: the start model's "
+        "own completions for the training prompts, scored with grpo.rewards, best vs worst.")
+    num_samples: int = Field(4, ge=2, description="samples: completions per prompt.")
+    temperature: float = Field(1.0, gt=0, description="samples: sampling temperature.")
+    max_new_tokens: PositiveInt = Field(64, description="samples: tokens per completion.")
+    min_margin: float = Field(0.1, ge=0, description="samples: keep a pair only when best - worst reward >= this.")
+    batch_size: PositiveInt = Field(8, description="samples: prompts per generate call.")
+
+
+class DPOStageConfig(StageConfig):
+    """DPO with trl.DPOTrainer; `args` are trl.DPOConfig fields. With peft the reference model is the
+    adapter-disabled policy (no copy); in full fine-tuning TRL loads one frozen copy of the start model
+    (precompute_ref_log_probs is refused by TRL 1.16 for image data)."""
+
+    enabled: bool = False
+    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig)
+
+    @model_validator(mode="after")
+    def _no_precompute(self) -> DPOStageConfig:
+        if self.args.get("precompute_ref_log_probs"):
+            raise ValueError("args.precompute_ref_log_probs: TRL 1.16's DPOTrainer refuses it for image data; "
+                             "remove it (use peft for a reference model without a copy)")
+        return self
+
+
 class EvalConfig(Section):
     enabled: bool = True
     batch_size: PositiveInt = 8
@@ -392,6 +423,7 @@ class Config(Section):
     model: ModelConfig
     data: DataConfig
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
+    dpo: DPOStageConfig = Field(default_factory=DPOStageConfig)
     grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)

@@ -57,7 +57,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
     if cfg is not None and check_trl:
         from vlmexp.trl_args import check_trl_args
 
-        for stage in ("sft", "grpo"):
+        for stage in ("sft", "dpo", "grpo"):
             for key, value, message in check_trl_args(stage, getattr(cfg, stage).args):
                 loc: Loc = (stage, "args", key) if key else (stage, "args")
                 if loc not in non_finite:

@@ -42,7 +42,7 @@ def _section(name: str, model: type[BaseModel], out: list[str]) -> None:
     out.append("| key | type | default | meaning |\n|---|---|---|---|")
     nested = []
     for key, field in model.model_fields.items():
-        out.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
+        out.append(f"| `{field.alias or key}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
         for arg in (field.annotation, *typing.get_args(field.annotation)):
             inner = typing.get_args(arg)[0] if typing.get_origin(arg) is list else arg
             if isinstance(inner, type) and issubclass(inner, BaseModel):

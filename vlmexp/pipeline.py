@@ -180,8 +180,13 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
                       f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
     if png:
         tracker.log_artifact(run_id, png, "plots")
-    memory = stage_dir / "peak_memory.json"
-    tracker.log_metrics(run_id, {"stage_seconds": seconds, **(json.loads(memory.read_text()) if memory.is_file() else {})})
+    for pairs in (stage_dir / "pairs.jsonl", stage_dir / "pairs.json"):  # DPO's sampled pairs and their counts
+        if pairs.is_file():
+            tracker.log_artifact(run_id, pairs, "pairs")
+    memory, counts = stage_dir / "peak_memory.json", stage_dir / "pairs.json"
+    tracker.log_metrics(run_id, {"stage_seconds": seconds, **(json.loads(memory.read_text()) if memory.is_file() else {}),
+                                 **({f"pairs/{k}": v for k, v in json.loads(counts.read_text()).items()}
+                                    if counts.is_file() else {})})
     tracker.end(run_id, "FINISHED")
     result = {"stage": stage, "final": str(stage_dir / "final"), "key": key, "run_id": run_id, "seconds": seconds}
     return write_result(stage_dir, result)

@@ -257,10 +257,13 @@ def make_tracker(cfg: Config) -> NullTracker:
 
 
 def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
-    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, the loss for SFT."""
+    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and accuracies
+    for DPO, the loss for SFT."""
     keys = tracker.metric_keys(run_id)
     if stage == "grpo":
         return [k for k in keys if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))]
+    if stage == "dpo":
+        return [k for k in keys if k in ("loss", "rewards/margins", "rewards/accuracies")]
     return [k for k in keys if k == "loss"]
 
 

@@ -26,7 +26,7 @@ RESERVED = {
 def trl_config_class(stage: str) -> type:
     import trl
 
-    return {"sft": trl.SFTConfig, "grpo": trl.GRPOConfig}[stage]
+    return {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[stage]
 
 
 @cache

@@ -5,6 +5,8 @@
 (b) "conversations": VLM-R1 JSONL, {"id", "image": str | list, "conversations": [{"from": "human",
     "value": "<image>..."}, {"from": "gpt", "value": "..."}]}, optional "accu_reward_method".
 (c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [image, ...]}.
+(d) "pairs": preference pairs for DPO (RLAIF-V / VLFeedback style), {"image" or "images", "question" or
+    "problem", "chosen", "rejected"}; the solution is the chosen answer, task "exact" by default.
 
 An image is a path, a `{bytes, path}` struct (a `datasets.Image` as parquet and Arrow store it), raw bytes
 or a PIL image (vlmexp.data.images). A source's `columns` renames its columns to these field names first.
@@ -17,15 +19,15 @@ from typing import Any
 
 from vlmexp.coords import parse_box
 
-FORMATS = ("rec", "conversations", "easyr1")
-DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math"}
+FORMATS = ("rec", "conversations", "easyr1", "pairs")
+DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math", "pairs": "exact"}
 # accu_reward_method values of VLM-R1 JSONL data -> our task
 ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "solution", "answer", "conversations", "accu_reward_method", "task", "id",
           "chosen", "rejected")
 EXPECTED = ("rec: image, problem, solution; conversations: image, conversations; "
-            "easyr1: problem, answer, images")
+            "easyr1: problem, answer, images; pairs: image(s), question or problem, chosen, rejected")
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,12 @@ class Example:
     problem: str
     solution: Any  # a box (list of 4 floats) for rec, else a string
     task: str
+    rejected: str | None = None  # the dispreferred answer of a "pairs" record (solution is the chosen one)
 
 
 def detect_format(record: dict[str, Any]) -> str | None:
+    if "chosen" in record or "rejected" in record:
+        return "pairs"
     if "conversations" in record:
         return "conversations"
     if "answer" in record and "images" in record:
@@ -55,7 +60,14 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
             raise ValueError(f"missing field {key!r} (format {fmt!r} needs {EXPECTED.split(';')[FORMATS.index(fmt)]})")
         return record[key]
 
-    if fmt == "rec":
+    rejected = None
+    if fmt == "pairs":
+        images = _as_list(record["image"] if "image" in record else need("images"), "images")
+        problem = record["question"] if "question" in record else need("problem")
+        solution, rejected = _pair(need("chosen"), "chosen"), _pair(need("rejected"), "rejected")
+        if solution.strip() == rejected.strip():
+            raise ValueError("chosen and rejected are the same answer, so the pair teaches nothing; drop the record")
+    elif fmt == "rec":
         images, problem, solution = _as_list(need("image"), "image"), need("problem"), need("solution")
     elif fmt == "easyr1":
         images, problem, solution = _as_list(need("images"), "images"), need("problem"), need("answer")
@@ -84,7 +96,13 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
         solution = box
     else:
         solution = str(solution)
-    return Example(images=images, problem=problem, solution=solution, task=task)
+    return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected)
+
+
+def _pair(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"field {key!r} must be a non-empty answer string, got {value!r}")
+    return value
 
 
 def _as_list(value: Any, key: str) -> list[Any]:

@@ -161,8 +161,8 @@ def _check_record(record: dict[str, Any], fmt: str, src: DataSource, where: str,
     # the JSONL holds paths: embedded images by their stored name (relative to the file), others as written
     refs = [str(Path(p).relative_to(store.folder.parent)) if e else (r.get("path") if isinstance(r, dict) else r)
             for p, e, r in zip(paths, embedded, ex.images)]
-    key = "images" if fmt == "easyr1" else "image"
-    if key in record:
+    key = next((k for k in (("images", "image") if fmt == "easyr1" else ("image", "images")) if k in record), None)
+    if key is not None:
         record = {**record, key: refs if isinstance(record[key], list) else refs[0]}
     return {**_jsonable(record), "record_format": fmt, "task": ex.task, "image_paths": paths,
             "image_sizes": [list(s) for s in sizes], "_embedded": sum(embedded)}

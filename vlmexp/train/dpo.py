@@ -1,0 +1,161 @@
+"""DPO stage entry point: seed, pairs, processor, model, trainer, train (resuming), save. Reads top to bottom.
+
+Pairs come from the data (`dpo.pairs.from: data`, records in the "pairs" format: chosen / rejected) or from
+the start model's own samples (`from: samples`): `num_samples` completions per training prompt, scored with
+`grpo.rewards` (the same reward objects GRPO trains on and evaluation scores with, so DPO prefers what the
+pipeline measures), best vs worst kept when their rewards differ by at least `min_margin`. The sampled pairs
+are written once to <stage_dir>/pairs.jsonl (a resumed stage reuses them) with a summary in pairs.json.
+
+Reference model: with `dpo.peft` TRL disables the adapter to get it (no copy); in full fine-tuning TRL loads
+one frozen copy from the start model's folder (`model.config._name_or_path`, set by `load_model`), since
+TRL 1.16 refuses `precompute_ref_log_probs` for image data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmexp.config import Config
+from vlmexp.train.common import StageInputs, load_model, prepare_stage, train_and_save, trl_args
+
+log = logging.getLogger("vlmexp.train")
+PAIRS_FILE, SUMMARY_FILE = "pairs.jsonl", "pairs.json"
+
+
+def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()) -> Path:
+    """Train with trl.DPOTrainer from the base model or `model_path` (the SFT stage's model or adapter)."""
+    from trl import DPOTrainer
+
+    inputs = prepare_stage(cfg, "dpo", model_path)
+    args = trl_args(inputs)
+    pairs = load_pairs(inputs)
+    train_dataset = build_pair_dataset(pairs)
+    model, peft_config = load_model(inputs)
+    trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=train_dataset,
+                         processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
+    return train_and_save(trainer, inputs, len(train_dataset))
+
+
+def load_pairs(inputs: StageInputs) -> list[dict[str, Any]]:
+    """Pair rows {prompt, image_paths, chosen, rejected, ...} from the data or from the model's samples."""
+    from vlmexp.train.data import read_jsonl
+
+    if inputs.cfg.dpo.pairs.from_ == "samples":
+        path = inputs.stage_dir / PAIRS_FILE
+        if not path.is_file():  # a resumed stage trains on the pairs it started with
+            sample_pairs(inputs, path)
+        pairs = read_jsonl(path)
+    else:
+        pairs = pairs_from_data(inputs)
+    if not pairs:
+        from vlmexp.errors import ConfigError, Problem
+
+        raise ConfigError(Problem("dpo.pairs", "min_margin", "no prompt gave a pair whose rewards differ by "
+                                  "min_margin; lower dpo.pairs.min_margin, raise num_samples or temperature, or "
+                                  "train SFT first", inputs.cfg.dpo.pairs.min_margin))
+    return pairs
+
+
+def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
+    """The sampled records as pairs; every one must be in the "pairs" format (checked before any model loads)."""
+    from vlmexp.data.formats import parse_record
+    from vlmexp.errors import DataError, Problem
+    from vlmexp.train.data import build_prompt, read_jsonl
+
+    out, problems = [], []
+    for n, record in enumerate(read_jsonl(inputs.train_path), start=1):
+        if record.get("record_format") != "pairs":
+            problems.append(Problem(f"{record.get('source')}:{record.get('source_row')}", "chosen",
+                                    f"dpo.pairs.from: data needs records with chosen and rejected answers, this "
+                                    f"one is {record.get('record_format')!r}; use pair data or dpo.pairs.from: "
+                                    "samples", record.get("problem")))
+            continue
+        example = parse_record(record, "pairs", record["task"])
+        out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family),
+                    "image_paths": record["image_paths"], "chosen": example.solution, "rejected": example.rejected})
+    if problems:
+        raise DataError(problems[:20], title=f"{len(problems)} records without a preference pair")
+    return out
+
+
+def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
+    """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
+    import torch
+
+    from vlmexp.data.sample import atomic_write
+    from vlmexp.evaluate import generate, load_for_inference
+    from vlmexp.rewards import build_reward
+    from vlmexp.train.data import build_prompt, load_images, read_jsonl
+
+    cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
+    records = read_jsonl(inputs.train_path)
+    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
+    model, processor, _ = load_for_inference(cfg, inputs.model_path)
+    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
+    images = [load_images(r) for r in records]
+    k = opts.num_samples
+    completions = generate(model, processor, [p for p in prompts for _ in range(k)],
+                           [im for im in images for _ in range(k)], opts.max_new_tokens, opts.temperature,
+                           opts.batch_size)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    pairs = []
+    for i, record in enumerate(records):
+        texts = completions[i * k:(i + 1) * k]
+        scores = score_group(rewards, [r.weight for r in cfg.grpo.rewards], prompts[i], texts, record)
+        pair = best_vs_worst(texts, scores, opts.min_margin)
+        if pair is not None:
+            pairs.append({"prompt": prompts[i], "image_paths": record["image_paths"], **pair,
+                          "source": record.get("source"), "source_row": record.get("source_row")})
+    summary = {"prompts": len(records), "pairs": len(pairs), "prompts_without_pair": len(records) - len(pairs),
+               "num_samples": k, "min_margin": opts.min_margin}
+    atomic_write(path, "".join(json.dumps(p) + "\n" for p in pairs))
+    atomic_write(path.with_name(SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
+    log.info("dpo pairs from samples: %s", summary)
+    return summary
+
+
+def score_group(rewards, weights: list[float], prompt, texts: list[str], record: dict[str, Any]) -> list[float]:
+    """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards. A masked
+    (None) score counts as 0 for that reward."""
+    from vlmexp.data.formats import parse_record
+
+    example = parse_record(record, record["record_format"], record["task"])
+    solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
+    n = len(texts)
+    columns = {"solution": [solution] * n, "task": [example.task] * n, "image_sizes": [record["image_sizes"]] * n,
+               "image_path": [(record["image_paths"] or [""])[0]] * n}
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    totals = [0.0] * n
+    for reward, weight in zip(rewards, weights, strict=True):
+        for j, score in enumerate(reward(prompts=[prompt] * n, completions=completions, **columns)):
+            totals[j] += weight * (score or 0.0)
+    return totals
+
+
+def best_vs_worst(texts: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
+    """{chosen, rejected, chosen_score, rejected_score} for the best and worst completion, or None when their
+    scores differ by less than `min_margin` (or the two texts are the same)."""
+    best = max(range(len(texts)), key=lambda j: scores[j])
+    worst = min(range(len(texts)), key=lambda j: scores[j])
+    if scores[best] - scores[worst] < min_margin or texts[best] == texts[worst]:
+        return None
+    return {"chosen": texts[best], "rejected": texts[worst], "chosen_score": scores[best],
+            "rejected_score": scores[worst]}
+
+
+def build_pair_dataset(pairs: list[dict[str, Any]]):
+    """TRL's conversational preference rows: prompt (text-only messages; TRL adds the image parts), chosen,
+    rejected (assistant messages) and `images` (PIL)."""
+    from datasets import Dataset
+
+    from vlmexp.train.data import load_images
+
+    return Dataset.from_list([{"prompt": p["prompt"], "images": load_images(p),
+                               "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                               "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs])
