@@ -25,7 +25,7 @@ demo: install
 	$(VENV)/bin/vlmexp run configs/demo.yaml
 
 test: install
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) outputs
