@@ -171,7 +171,7 @@ def test_refcoco_style_image_column_and_column_mapping(tmp_path):
     Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "refcoco.parquet")
     result = sample_sources([DataSource(json_path=str(tmp_path / "refcoco.parquet"))], tmp_path / "a" / "t.jsonl", 0)
     records = _records(result)
-    assert [r["task"] for r in records] == ["rec"] * 4 and [r["solution"] for r in records][0] == [2, 3, 20, 30]
+    assert [r["task"] for r in records] == ["rec"] * 4 and records[0]["solution"] == [2, 3, 20, 30]
     assert all(r["image"].startswith("images/") for r in records)
 
     renamed = {"question": [f"q{i}" for i in range(4)], "solution": [str(i) for i in range(4)],

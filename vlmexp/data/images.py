@@ -23,7 +23,7 @@ from vlmexp.coords import MAX_ASPECT_RATIO
 MIN_IMAGE_SIDE = 4  # smaller images cannot be grounded (and are usually broken files)
 # Pixels per image, checked from the header before decoding (PIL refuses twice this itself). Real checkpoints
 # resize to at most 12.8M pixels; lower it with VLMEXP_MAX_IMAGE_PIXELS to refuse large originals earlier.
-MAX_IMAGE_PIXELS = int(os.environ.get("VLMEXP_MAX_IMAGE_PIXELS", 89_478_485))  # PIL's own warning threshold
+MAX_IMAGE_PIXELS = int(os.environ.get("VLMEXP_MAX_IMAGE_PIXELS", "89478485"))  # PIL's own warning threshold
 EXTENSIONS = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tif"}
 
 Checked = tuple[str, tuple[int, int]] | str  # (path, (width, height)) or the problem

@@ -180,7 +180,7 @@ def _open_hub(src: DataSource, loc: Location):
 
     try:
         ds = datasets.load_dataset(loc.path, name=src.subset, split=loc.split, revision=src.revision)
-    except Exception as e:  # the Hub client raises many types; each becomes the same kind of problem
+    except Exception as e:  # noqa: BLE001 - the Hub client raises many types; each is reported with its message
         cache = datasets.config.HF_DATASETS_CACHE
         raise DataError(Problem(src.json_path, "json_path", (
             f"Hub dataset {loc.path!r} (subset {src.subset}, split {loc.split!r}, revision {src.revision}) could not "
