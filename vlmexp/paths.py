@@ -18,25 +18,19 @@ Found = tuple[tuple[str | int, ...], Any, str]  # (location in the config, value
 
 def _check_sources(sources: list[DataSource], loc: tuple, origin: str | None = None) -> list[Found]:
     out: list[Found] = []
-    from vlmexp.data.sources import locate
+    from vlmexp.data.sources import glob_paths, locate
 
     for i, src in enumerate(sources):
         where = f" (from {origin})" if origin else ""
         found = locate(src.json_path)
         if found.kind == "file" and not Path(found.path).is_file():
-            out.append(((*loc, i, "json_path"), src.json_path, f"file not found{where}; fix json_path (a file, "
-                                                               f"a glob or folder of shards, or a Hub id org/name@split)"))
-        elif found.kind == "shards" and not Path(found.path).is_dir() and not _glob(found.path):
+            out.append(((*loc, i, "json_path"), src.json_path, (f"file not found{where}; fix json_path (a file, a "
+                                                                "glob or folder of shards, or a Hub id org/name@split)")))
+        elif found.kind == "shards" and not Path(found.path).is_dir() and not glob_paths(found.path):
             out.append(((*loc, i, "json_path"), src.json_path, f"no file matches this glob{where}; fix json_path"))
         if src.image_root and not Path(src.image_root).is_dir():
             out.append(((*loc, i, "image_root"), src.image_root, f"folder not found{where}; fix image_root"))
     return out
-
-
-def _glob(pattern: str) -> list[str]:
-    import glob
-
-    return glob.glob(str(Path(pattern).expanduser()), recursive=True)
 
 
 def _check_yaml(path: str | None, loc: tuple) -> list[Found]:

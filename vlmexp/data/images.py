@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -104,15 +103,9 @@ class ImageStore:
         suffix = EXTENSIONS.get(fmt) or (Path(name).suffix.lower() if name else "") or ".img"
         target = self.folder / digest[:2] / f"{digest}{suffix}"
         if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            from vlmexp.data.sample import atomic_write  # here: sample imports this module
+
+            atomic_write(target, data)
             self.written.append(target)
         return str(target), size
 

@@ -121,7 +121,7 @@ def _shard_files(loc: Location) -> list[Path]:
             files = [f for f in files if any(re.match(rf"{re.escape(loc.split)}([-_.]|$)", part)
                                              for part in f.relative_to(p).parts)]
     else:
-        files = sorted(Path(f) for f in _glob(loc.path))
+        files = sorted(Path(f) for f in glob_paths(loc.path))
     if not files:
         what = f"split {loc.split!r} in " if loc.split else ""
         raise DataError(Problem(loc.path, "json_path", f"no record files (.json, .jsonl, .parquet, .arrow) for "
@@ -133,7 +133,8 @@ def _shard_files(loc: Location) -> list[Path]:
     return files
 
 
-def _glob(pattern: str) -> list[str]:
+def glob_paths(pattern: str) -> list[str]:
+    """The paths a glob pattern (`**` recursive, `~` expanded) matches."""
     import glob
 
     return glob.glob(str(Path(pattern).expanduser()), recursive=True)
@@ -156,8 +157,6 @@ def _open_one(f: Path):
         return JsonlTable(f)
     if suffix == ".json":
         return JsonListTable(f)
-    if suffix == ".parquet":
-        return ParquetTable([f], str(f))
     from datasets import Dataset
 
     return DatasetTable(Dataset.from_file(str(f)), str(f), {"sha256": sha256_file(f)})
