@@ -190,7 +190,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
-    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name)
+    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name,
+                            mlflow_run_id=args.mlflow_run_id)
     if args.dry_run:
         print(shlex.join(command))
         return 0
@@ -201,15 +202,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.stage == "sft":
         from vlmexp.train.sft import run_sft
 
-        final = run_sft(cfg)
+        final = run_sft(cfg, mlflow_run_id=args.mlflow_run_id)
     elif args.stage == "dpo":
         from vlmexp.train.dpo import run_dpo
 
-        final = run_dpo(cfg, args.model)
+        final = run_dpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
     else:
         from vlmexp.train.grpo import run_grpo
 
-        final = run_grpo(cfg, args.model)
+        final = run_grpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
     print(f"{args.stage}: final model in {final}")
     return 0
 
@@ -303,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")
     p.add_argument("--in-process", action="store_true",
                    help="train in this process, ignoring launch.launcher (each launched process gets it)")
+    p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store (the pipeline passes its "
+                                           "stage run); default: a new run")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_train)
 

@@ -90,10 +90,17 @@ def build_trl_config(stage: str, args: dict[str, Any], output_dir: str, **pipeli
         key, value, msg = problems[0]
         raise ValueError(f"{stage}.args.{key} = {value!r}: {msg}")
     kwargs = {**pipeline_args, **converted}
+    cls = trl_config_class(stage)
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        # TRL's configs set the older name (gradient_checkpointing defaults to True), which transformers 5
+        # deprecates with a FutureWarning: pass the same value under the current name
+        if new not in kwargs:
+            kwargs[new] = kwargs.pop(old, cls.__dataclass_fields__[old].default)
     if not torch.cuda.is_available():
         kwargs.setdefault("bf16", False)
         kwargs.setdefault("use_cpu", True)
-    return trl_config_class(stage)(output_dir=output_dir, **kwargs)
+    return cls(output_dir=output_dir, **kwargs)
 
 
 def check_trl_args(stage: str, args: dict[str, Any]) -> list[tuple[str, Any, str]]:
