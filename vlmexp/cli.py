@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from vlmexp.errors import Problem, VlmexpError
 
@@ -331,24 +332,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    """The `vlmexp` command (and `python -m vlmexp.cli`, how stages are launched): main(), then the exit work
-    Python does (threads joined, atexit handlers, streams flushed) and no interpreter teardown: tearing
-    down torch's and transformers' module graph took ~3 s after each training stage on the 2-core CI
-    machine (bench/RESULTS.md), and nothing of ours is left to it."""
+def exit_without_teardown(code: int) -> NoReturn:
+    """Leave the process as Python's exit does (non-daemon threads joined, e.g. MLflow's async logging
+    queue; atexit handlers run; streams flushed) but skip the interpreter's teardown of the module graph.
+
+    After a training stage that teardown of torch's and transformers' modules costs seconds and does nothing
+    of ours: 1.7-2.9 s against 0.1 s with this, three SFT stages each on the 2-core VM (bench/RESULTS.md,
+    "Exit of a stage process"). Python versions without threading._shutdown exit normally."""
     import atexit
     import os
     import threading
 
-    code = main()
-    shutdown = getattr(threading, "_shutdown", None)  # what Python runs first at exit: executors told to stop,
-    if shutdown is None:  # non-daemon threads (MLflow's async logging queue) joined
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None:
         sys.exit(code)
     shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def entry() -> None:
+    """The `vlmexp` command (and `python -m vlmexp.cli`, how stages are launched)."""
+    exit_without_teardown(main())
 
 
 if __name__ == "__main__":
