@@ -417,7 +417,7 @@ def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any) -> 
     return guarded(reward, name)
 
 
-class guarded:
+class guarded:  # noqa: N801 - used like a function; a class so the reward stays picklable
     """Wrap a reward so an exception stops training with the reward's name and the sample that broke it."""
 
     def __init__(self, fn: Callable[..., list[Score]], name: str):

@@ -57,14 +57,13 @@ class CompletionTable(TrainerCallback):
         from vlmexp.rewards import completion_text
 
         logs, n = self.trainer._logs, min(self.rows, len(self.trainer._logs["completion"]))
-        first = lambda values: list(values)[:n]
-        extra = {k: first(v) for k, v in logs["extra"].items()}
+        extra = {k: list(v)[:n] for k, v in logs["extra"].items()}
         return {"step": [step] * n, "image": extra.pop("image", [""] * n),
-                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in first(logs["prompt"])],
-                "completion": [completion_text(c) for c in first(logs["completion"])],
+                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in list(logs["prompt"])[:n]],
+                "completion": [completion_text(c) for c in list(logs["completion"])[:n]],
                 "solution": extra.pop("solution", [""] * n),
-                **{f"reward/{name}": first(v) for name, v in logs["rewards"].items()},
-                "advantage": first(logs["advantages"]), **extra}
+                **{f"reward/{name}": list(v)[:n] for name, v in logs["rewards"].items()},
+                "advantage": list(logs["advantages"])[:n], **extra}
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.every or state.global_step % self.every or not state.is_world_process_zero:
