@@ -37,7 +37,7 @@ def main() -> None:
     from vlmexp.config_loader import load_config
     from vlmexp.data.prepare import prepare_data
     from vlmexp.evaluate import evaluate
-    from vlmexp.models import resolve_model
+    from vlmexp.modeling import resolve_model
     from vlmexp.train.grpo import run_grpo
     from vlmexp.train.sft import run_sft
 

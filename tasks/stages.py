@@ -52,7 +52,7 @@ def sample_data(pending: str) -> dict[str, str | None]:
     """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.prepare import prepare_data
-    from vlmexp.models import resolve_model
+    from vlmexp.modeling import resolve_model
     from vlmexp.pipeline import commit_resolved, load_resolved
 
     cfg = load_resolved(pending)

@@ -128,3 +128,15 @@ def test_beats_explains_itself():
     assert beats(0.5, None, "maximize") == (True, "there is no champion with a value for the metric yet")
     assert beats(0.5, 0.4, "maximize")[0] and not beats(0.5, 0.4, "minimize")[0]
     assert beats(0.4, 0.5, "maximize")[1] == "0.4000 < champion's 0.5000 (maximize): not better"
+
+
+def test_export_metric_must_be_one_evaluation_produces():
+    """A typo in export.metric would report "not promoted" forever: refused at config load, with the names."""
+    from vlmexp.errors import ConfigError
+    from vlmexp.evaluate import METRIC_KEYS
+
+    with pytest.raises(ConfigError, match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "
+                                          r"rec_mean_iou, rec_acc50, rec_acc75, math_accuracy, exact_accuracy"):
+        load_config(REPO / "configs/demo.yaml", ["export.metric=rec_mean_iuo"], check_paths=False)
+    for metric in METRIC_KEYS:
+        assert load_config(REPO / "configs/demo.yaml", [f"export.metric={metric}"], check_paths=False).export.metric == metric

@@ -27,9 +27,10 @@ GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4", f"gr
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
 
 
-def _train(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _train(out: Path, env: dict[str, str], uri: str, run_id: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                           f"run.output_dir={out}", *GRPO], capture_output=True, text=True, cwd=REPO, env=env)
+                           "--mlflow-run-id", run_id, f"run.output_dir={out}", f"tracking.tracking_uri={uri}", *GRPO],
+                          capture_output=True, text=True, cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize(("fault", "crash"), [
@@ -43,10 +44,9 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("faults")).info.run_id
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests"), str(REPO)])}
 
-    first = _train(tmp_path, {**env, "VLMEXP_FAULT": fault})
+    first = _train(tmp_path, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
     assert first.returncode == crash, first.stderr[-3000:]
     if crash == 1:
         assert "No space left on device (planted)" in first.stderr
@@ -56,7 +56,7 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
         assert (grpo / f"checkpoint-{step}").is_dir() and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists()
 
-    second = _train(tmp_path, env)
+    second = _train(tmp_path, env, uri, run_id)
     assert second.returncode == 0, second.stderr[-3000:]
     resumed_from = int(second.stderr.split("(resume: ")[1].split(")")[0].rsplit("-", 1)[1])
     assert resumed_from == 2 and step - resumed_from <= SAVE_STEPS  # at most save_steps steps recomputed
@@ -131,9 +131,10 @@ def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
         tracker = MlflowTracker(uri, "faults", (tmp_path / "artifacts").as_uri())
         run_id = tracker.start_pipeline("stage", {}, {})
         log = tmp_path / "train.log"
-        env = {**os.environ, **tracker.subprocess_env(run_id), "PYTHONPATH": str(REPO / "tests"),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fail fast
         train = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+                                  "--mlflow-run-id", run_id, f"tracking.tracking_uri={uri}",
                                   f"run.output_dir={tmp_path}", *GRPO[:3], "grpo.args.max_steps=12",
                                   "grpo.args.save_steps=4", *GRPO[5:], "tracking.completions_every=2"],
                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))

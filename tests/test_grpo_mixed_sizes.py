@@ -28,7 +28,7 @@ def _cfg(out, *overrides):
 
 def _records(cfg):
     from vlmexp.data.prepare import prepare_data
-    from vlmexp.train.data import read_jsonl
+    from vlmexp.prompts import read_jsonl
 
     return {r["source_row"]: r for r in read_jsonl(prepare_data(cfg).train)}
 
@@ -53,7 +53,7 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     import rewards_for_tests
     import torch
 
-    from vlmexp.train.common import train_and_save
+    from vlmexp.train.checkpoints import train_and_save
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import expected_grid
 

@@ -74,6 +74,28 @@ def test_a_failing_subprocess_reports_its_exit_code_and_last_lines():
     assert len(lines) == 100  # every line streamed as it came
 
 
+def test_progress_bar_redraws_reach_the_log_at_a_readable_rate():
+    # a real child process drawing a tqdm-style bar on stderr (each redraw starts with \r) between two lines
+    code = ("import sys\nprint('start', flush=True)\n"
+            "for i in range(201):\n    sys.stderr.write(f'\\r{i * 100 // 200:3d}%|bar| {i}/200'); sys.stderr.flush()\n"
+            "sys.stderr.write('\\n'); sys.stderr.flush(); print('done', flush=True)")
+    lines = []
+    run_streaming([sys.executable, "-c", code], {"PATH": "/usr/bin"}, lines.append)
+    bars = [line for line in lines if "|bar|" in line]
+    assert lines[0] == "start" and lines[-1] == "done"
+    # each tenth once (0 % .. 90 %), then the final draw: 11 lines for 201 redraws
+    assert [int(b.split("%")[0]) for b in bars] == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100], bars
+    every = []  # with no minimum interval every redraw is shown
+    run_streaming([sys.executable, "-c", code], {"PATH": "/usr/bin"}, every.append, progress_every=0)
+    assert len([line for line in every if "|bar|" in line]) == 201
+    # a bar cut off by a crash: its last redraw still reaches the log and the failure's last lines
+    crash = code.replace("range(201)", "range(151)").replace("sys.stderr.write('\\n')", "sys.exit(4)")
+    shown = []
+    with pytest.raises(StageFailed, match=r"code 4(.|\n)*150/200$"):
+        run_streaming([sys.executable, "-c", crash], {"PATH": "/usr/bin"}, shown.append)
+    assert shown[-1].endswith("150/200")
+
+
 def test_params_are_flattened_and_metric_names_sanitised():
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}, "config.") == {
         "config.a.b": "1", "config.a.c": "[1, 2]", "config.d": "None"}

@@ -63,11 +63,38 @@ def test_iou_grid1000_frame_by_hand():
     assert scores == [pytest.approx(1.0), pytest.approx(1 / 3)]
 
 
-def test_iou_malformed_completions_score_zero_and_are_counted():
-    r = IoUReward(frame="grid1000")
-    completions = ["no tags at all", "<answer>left corner</answer>", "<answer>[50, 50, 10, 10]</answer>"]
-    assert r(completions=completions, solution=[[0, 0, 5, 5]] * 3, image_sizes=[[[10, 10]]] * 3) == [0.0] * 3
-    assert r.failures == {"no_answer": 1, "no_box": 1, "degenerate_box": 1}
+class Hooks:
+    """What TRL's GRPOTrainer passes every reward: `log_metric` and `log_extra`, recorded."""
+
+    def __init__(self):
+        self.metrics, self.extra = {}, {}
+
+    def kwargs(self):
+        return {"log_metric": self.metrics.__setitem__, "log_extra": self.extra.__setitem__}
+
+
+def test_iou_malformed_completions_score_zero_and_are_counted_through_the_hooks():
+    r, hooks = IoUReward(frame="grid1000"), Hooks()
+    completions = ["no tags at all", "<answer>left corner</answer>", "<answer>[50, 50, 10, 10]</answer>",
+                   "<answer>[0, 0, 500, 500]</answer>"]
+    assert r(completions=completions, solution=[[0, 0, 5, 5]] * 4, image_sizes=[[[10, 10]]] * 4,
+             **hooks.kwargs()) == [0.0] * 3 + [1.0]
+    assert hooks.metrics == {"rewards/iou/unparsable/no_answer": 1.0, "rewards/iou/unparsable/no_box": 1.0,
+                             "rewards/iou/unparsable/degenerate_box": 1.0, "rewards/iou/unparsable/non_finite_box": 0.0}
+    assert hooks.extra == {"iou/unparsable": ["no_answer", "no_box", "degenerate_box", None]}
+    # stateless: a second call reports its own counts only, and no hooks (evaluation) report nothing
+    assert r(completions=completions[:1], solution=[[0, 0, 5, 5]], image_sizes=[[[10, 10]]], **hooks.kwargs()) == [0.0]
+    assert hooks.metrics["rewards/iou/unparsable/no_box"] == 0.0 and hooks.extra["iou/unparsable"] == ["no_answer"]
+    assert r(completions=completions[:1], solution=[[0, 0, 5, 5]], image_sizes=[[[10, 10]]]) == [0.0]
+
+
+def test_registry_entries_are_reward_classes():
+    from vlmexp.rewards import REGISTRY, GIoUReward, IoUThresholdReward, Reward
+
+    assert all(isinstance(cls, type) and issubclass(cls, Reward) and cls.name == name for name, cls in REGISTRY.items())
+    assert REGISTRY["iou_threshold"] is IoUThresholdReward and REGISTRY["giou"] is GIoUReward
+    assert build_reward("iou_threshold", {"threshold": 0.75}, "grid1000", None).fn == IoUThresholdReward(
+        frame="grid1000", threshold=0.75)
 
 
 def test_iou_threshold_and_task_filter():
@@ -92,9 +119,9 @@ def test_math_reward_notations(answer, solution, expected):
 
 
 def test_math_reward_malformed():
-    r = MathReward()
-    assert r(completions=["I don't know", "<answer></answer>"], solution=["3", "3"]) == [0.0, 0.0]
-    assert r.failures["no_answer"] == 1 and sum(r.failures.values()) == 2
+    r, hooks = MathReward(), Hooks()
+    assert r(completions=["I don't know", "<answer></answer>"], solution=["3", "3"], **hooks.kwargs()) == [0.0, 0.0]
+    assert hooks.metrics["rewards/math/unparsable/no_answer"] == 1 and sum(hooks.metrics.values()) == 2
 
 
 @pytest.mark.parametrize("answer, solution, expected", [
@@ -161,14 +188,16 @@ def test_non_finite_and_none_scores_are_masked_and_counted():
     sys_path = str(Path(__file__).parent)
     if sys_path not in sys.path:
         sys.path.insert(0, sys_path)
-    r = build_reward("rewards_for_tests:sometimes_broken", {}, "grid1000", None)
-    scores = r(prompts=["p"] * 12, completions=["abc"] * 12)
+    r, hooks = build_reward("rewards_for_tests:sometimes_broken", {}, "grid1000", None), Hooks()
+    scores = r(prompts=["p"] * 12, completions=["abc"] * 12, **hooks.kwargs())
     assert scores[0] is None and scores[4] is None and scores[8] is None  # NaN, inf, None
     assert all(s is None or math.isfinite(s) for s in scores) and scores[1] == pytest.approx(3 / 20)
-    assert r.masked == {"nan": 1, "inf": 1, "none": 1}
+    prefix = "rewards/rewards_for_tests:sometimes_broken/masked/"
+    assert hooks.metrics == {prefix + "nan": 1.0, prefix + "inf": 1.0, prefix + "none": 1.0}
     # a built-in's None means "not this sample's task": not counted as masked
-    iou = build_reward("iou", {}, "grid1000", None)
-    assert iou(completions=["x"], solution=["1"], task=["math"]) == [None] and not iou.masked
+    iou, hooks = build_reward("iou", {}, "grid1000", None), Hooks()
+    assert iou(completions=["x"], solution=["1"], task=["math"], **hooks.kwargs()) == [None]
+    assert not any("/masked/" in k for k in hooks.metrics)
 
 
 def test_reward_returning_the_wrong_shape_or_type_names_itself():

@@ -13,7 +13,7 @@ from conftest import make_png, write_jsonl
 from vlmexp.coords import giou
 from vlmexp.errors import DataError
 from vlmexp.evaluate import score_predictions
-from vlmexp.rewards import IoUReward
+from vlmexp.rewards import GIoUReward
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,10 +110,28 @@ def test_giou_reward_by_hand():
     # same-size boxes side by side with a gap of 100: IoU 0, GIoU = 0 - (enclosing - union) / enclosing
     assert giou([0, 0, 100, 100], [200, 0, 300, 100]) == pytest.approx(-1 / 3)
     assert giou([0, 0, 100, 100], [0, 0, 100, 100]) == pytest.approx(1.0)
-    r = IoUReward(frame="grid1000", generalized=True)
+    r = GIoUReward(frame="grid1000")
     # 1000x1000 image: grid == pixels; a far box scores less than a near one although both have IoU 0
     far, near = "<answer>[600, 0, 700, 100]</answer>", "<answer>[200, 0, 300, 100]</answer>"
     scores = r(completions=[far, near, "<answer>[0, 0, 100, 100]</answer>", "no answer"],
                solution=[[0, 0, 100, 100]] * 4, image_sizes=[[[1000, 1000]]] * 4)
     assert scores[0] < scores[1] < scores[2] == pytest.approx(1.0) and scores[3] == 0.0
     assert scores[1] == pytest.approx((1 - 1 / 3) / 2)
+
+
+def test_evaluation_scores_with_the_configured_rewards():
+    """Evaluation builds its scorers with build_reward from grpo.rewards: a boxed-style format reward in the
+    config is the format evaluation measures (the metric names stay)."""
+    from vlmexp.config import RewardSpec
+    from vlmexp.evaluate import score_records
+
+    records = [{"record_format": "easyr1", "task": "math", "problem": "1+1?", "answer": "2", "images": [],
+                "image_paths": [], "image_sizes": []}] * 2
+    texts = ["<think>add</think> so \\boxed{2}", "<think>add</think><answer>3</answer>"]
+    default, default_rows = score_records(records, texts, "pixels", None)
+    boxed, rows = score_records(records, texts, "pixels", None,
+                                [RewardSpec(name="format", kwargs={"style": "boxed"}), RewardSpec(name="math")])
+    assert default == {"count": 2.0, "format_rate": 0.5, "math_accuracy": 0.5}
+    assert boxed == {"count": 2.0, "format_rate": 0.5, "math_accuracy": 0.5}
+    assert [r["format"] for r in default_rows] == [0.0, 1.0]  # the "answer" style by default
+    assert [r["format"] for r in rows] == [1.0, 0.0] and [r["score"] for r in rows] == [1.0, 0.0]

@@ -62,7 +62,7 @@ def test_tiny_model_is_deterministic_and_refuses_overwrite(tmp_path, tiny_models
 
 def test_tiny_path_in_config_builds_once(tmp_path):
     from vlmexp.config import ModelConfig
-    from vlmexp.models import resolve_model
+    from vlmexp.modeling import resolve_model
 
     cfg = ModelConfig(path="tiny:qwen2_vl")
     path, fam = resolve_model(cfg, tmp_path)

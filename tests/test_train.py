@@ -92,29 +92,63 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 
-def test_train_cli_runs_a_stage(tmp_path):
+def test_train_cli_runs_a_stage_without_mlflow(tmp_path):
+    """With tracking none a stage needs no mlflow: it trains in a Python where mlflow cannot be imported (as
+    on a GPU machine without it; where it is installed, TRL and DeepSpeed import it themselves)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # import mlflow fails\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(REPO)])}
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", str(REPO / "configs/demo.yaml"),
                         f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=8", "data.demo.val=2",
-                        "sft.args.max_steps=2", "sft.args.save_steps=2"], capture_output=True, text=True, cwd=REPO)
+                        "sft.args.max_steps=2", "sft.args.save_steps=2"], capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").is_file()
+    hidden = subprocess.run([sys.executable, "-c", "import mlflow"], capture_output=True, text=True, env=env)
+    assert hidden.returncode != 0 and "ModuleNotFoundError" in hidden.stderr
 
 
-def test_a_stage_run_by_hand_resamples_its_data_the_pipeline_samples_once(tmp_path, monkeypatch):
-    from vlmexp.train.common import SAMPLED_ENV, prepare_stage
+def test_a_stage_run_by_hand_logs_to_the_configured_store(tmp_path):
+    """No environment handoff: the stage process finds its store in the config, starts a run of its own there,
+    and leaves nothing in its working folder (no ./mlflow.db, no ./mlruns)."""
+    from mlflow.tracking import MlflowClient
 
-    monkeypatch.delenv(SAMPLED_ENV, raising=False)
+    store, cwd = f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", str(REPO / "configs/demo.yaml"),
+                        f"run.output_dir={tmp_path / 'out'}", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
+                        "data.demo.train=8", "data.demo.val=2", "sft.args.max_steps=2", "sft.args.save_steps=2",
+                        "sft.args.logging_steps=1"], capture_output=True, text=True, cwd=cwd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list(cwd.iterdir()) == []
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert run.info.run_name == "demo-sft" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+def test_a_stage_samples_only_when_the_files_are_not_what_the_config_asks_for(tmp_path, monkeypatch):
+    """Decided from files, the same for a stage run by hand and one the pipeline starts after sampling."""
+    from vlmexp.train.stage import prepare_stage
+
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     first = prepare_stage(_cfg(tmp_path), "sft").train_path
     assert len(first.read_text().splitlines()) == 16
+    stamp = first.stat().st_mtime_ns
+    prepare_stage(_cfg(tmp_path), "sft")  # the files are what this config asks for: kept as they are
+    assert first.stat().st_mtime_ns == stamp
     # the data section changed since the last run into this folder: the stage trains on the new sample
     prepare_stage(_cfg(tmp_path, "data.demo.train=10"), "sft")
     assert len(first.read_text().splitlines()) == 10
-    # under the pipeline, its sample task already wrote the data for this config: nothing is resampled
-    monkeypatch.setenv(SAMPLED_ENV, "1")
+    # the sampled file no longer holds what its manifest records: sampled again
     first.write_text(first.read_text().splitlines()[0] + "\n")
-    prepare_stage(_cfg(tmp_path), "sft")
-    assert len(first.read_text().splitlines()) == 1
-    # the ready marker names this launch, so other ranks of a later launch never take an old one for it
-    assert (tmp_path / ".prepared").read_text().endswith(f":{os.getpid()}")
+    prepare_stage(_cfg(tmp_path, "data.demo.train=10"), "sft")
+    assert len(first.read_text().splitlines()) == 10
+    # a source file changed (here only its modification time): sampled again
+    stamp = first.stat().st_mtime_ns
+    [source] = tmp_path.glob("demo_data-10-*/train.json")
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    prepare_stage(_cfg(tmp_path, "data.demo.train=10"), "sft")
+    assert first.stat().st_mtime_ns != stamp

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from vlmexp.errors import Problem, VlmexpError
 
@@ -190,7 +191,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
-    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name)
+    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name,
+                            mlflow_run_id=args.mlflow_run_id)
     if args.dry_run:
         print(shlex.join(command))
         return 0
@@ -201,15 +203,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.stage == "sft":
         from vlmexp.train.sft import run_sft
 
-        final = run_sft(cfg)
+        final = run_sft(cfg, mlflow_run_id=args.mlflow_run_id)
     elif args.stage == "dpo":
         from vlmexp.train.dpo import run_dpo
 
-        final = run_dpo(cfg, args.model)
+        final = run_dpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
     else:
         from vlmexp.train.grpo import run_grpo
 
-        final = run_grpo(cfg, args.model)
+        final = run_grpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
     print(f"{args.stage}: final model in {final}")
     return 0
 
@@ -303,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")
     p.add_argument("--in-process", action="store_true",
                    help="train in this process, ignoring launch.launcher (each launched process gets it)")
+    p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store (the pipeline passes its "
+                                           "stage run); default: a new run")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_train)
 
@@ -328,24 +332,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    """The `vlmexp` command (and `python -m vlmexp.cli`, how stages are launched): main(), then the exit work
-    Python does (threads joined, atexit handlers, streams flushed) and no interpreter teardown: tearing
-    down torch's and transformers' module graph took ~3 s after each training stage on the 2-core CI
-    machine (bench/RESULTS.md), and nothing of ours is left to it."""
+def exit_without_teardown(code: int) -> NoReturn:
+    """Leave the process as Python's exit does (non-daemon threads joined, e.g. MLflow's async logging
+    queue; atexit handlers run; streams flushed) but skip the interpreter's teardown of the module graph.
+
+    After a training stage that teardown of torch's and transformers' modules costs seconds and does nothing
+    of ours: 1.7-2.9 s against 0.1 s with this, three SFT stages each on the 2-core VM (bench/RESULTS.md,
+    "Exit of a stage process"). Python versions without threading._shutdown exit normally."""
     import atexit
     import os
     import threading
 
-    code = main()
-    shutdown = getattr(threading, "_shutdown", None)  # what Python runs first at exit: executors told to stop,
-    if shutdown is None:  # non-daemon threads (MLflow's async logging queue) joined
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None:
         sys.exit(code)
     shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def entry() -> None:
+    """The `vlmexp` command (and `python -m vlmexp.cli`, how stages are launched)."""
+    exit_without_teardown(main())
 
 
 if __name__ == "__main__":

@@ -353,6 +353,15 @@ class ExportConfig(Section):
     metric: str = "rec_mean_iou"
     direction: Literal["maximize", "minimize"] = "maximize"
 
+    @field_validator("metric")
+    @classmethod
+    def _evaluated(cls, v: str) -> str:
+        from vlmexp.evaluate import METRIC_KEYS
+
+        if v not in METRIC_KEYS:
+            raise ValueError(f"evaluation produces no metric {v!r}; use one of {', '.join(METRIC_KEYS)}")
+        return v
+
 
 class TrackingConfig(Section):
     backend: Literal["mlflow", "none"] = "mlflow"

@@ -20,33 +20,42 @@ log = logging.getLogger("vlmexp.eval")
 METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
 
 
-def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str], frame: str,
-                  budget: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """(metrics, per-sample rows) for sampled records and their completions. Metrics exist only for the
-    tasks present in the records; unparsable answers score 0."""
-    from vlmexp.data.formats import parse_record
-    from vlmexp.rewards import REGISTRY, extract_answer
+SCORERS = ("format", "iou", "math", "exact")  # the rewards the metrics come from: format_rate, rec_*, *_accuracy
 
-    fmt, iou = REGISTRY["format"](), REGISTRY["iou"](frame=frame, budget=budget)
-    by_task = {"math": REGISTRY["math"](), "exact": REGISTRY["exact"]()}
+
+def build_scorers(rewards: Sequence[Any], frame: str, budget: Any) -> dict[str, Any]:
+    """The rewards evaluation scores with, built by `build_reward` like the training rewards: each of SCORERS
+    with the kwargs of the configured reward of that name (`grpo.rewards`), else its defaults."""
+    from vlmexp.rewards import build_reward
+
+    kwargs = {r.name: r.kwargs for r in rewards}
+    return {name: build_reward(name, kwargs.get(name, {}), frame, budget) for name in SCORERS}
+
+
+def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str], frame: str, budget: Any,
+                  rewards: Sequence[Any] = ()) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
+    with the columns GRPO gives them. Metrics exist only for the tasks present; unparsable answers score 0."""
+    from vlmexp.data.formats import parse_record
+    from vlmexp.rewards import extract_answer
+
+    examples = [parse_record(r, r["record_format"], r["task"]) for r in records]
+    columns = {"solution": [json.dumps(e.solution) if e.task == "rec" else str(e.solution) for e in examples],
+               "task": [e.task for e in examples], "image_sizes": [r.get("image_sizes") for r in records]}
+    texts = list(completions)
+    if len(texts) != len(records):
+        raise ValueError(f"{len(records)} records but {len(texts)} completions")
+    scored = {name: fn(completions=texts, **columns) for name, fn in build_scorers(rewards, frame, budget).items()}
     rows, per_task = [], {"rec": [], "math": [], "exact": []}
-    fmt_scores = []
-    for record, text in zip(records, completions, strict=True):
-        example = parse_record(record, record["record_format"], record["task"])
-        solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
-        f = fmt.score(text)
-        if example.task == "rec":
-            score = iou.score(text, solution=solution, image_sizes=record["image_sizes"])
-        else:
-            score = by_task[example.task].score(text, solution=solution)
-        fmt_scores.append(f)
+    for i, (record, example, text) in enumerate(zip(records, examples, texts, strict=True)):
+        score = scored[{"rec": "iou"}.get(example.task, example.task)][i]
         per_task[example.task].append(score)
         rows.append({"image": (record.get("image_paths") or example.images or [""])[0], "task": example.task,
-                     "problem": example.problem, "solution": solution, "completion": text,
-                     "answer": extract_answer(text), "format": f, "score": score})
+                     "problem": example.problem, "solution": columns["solution"][i], "completion": text,
+                     "answer": extract_answer(text), "format": scored["format"][i], "score": score})
     metrics: dict[str, float] = {"count": float(len(rows))}
     if rows:
-        metrics["format_rate"] = sum(fmt_scores) / len(rows)
+        metrics["format_rate"] = sum(scored["format"]) / len(rows)
     if per_task["rec"]:
         ious = per_task["rec"]
         metrics.update(rec_mean_iou=sum(ious) / len(ious), rec_acc50=sum(v >= 0.5 for v in ious) / len(ious),
@@ -155,7 +164,7 @@ def generate(model, processor, prompts: list[list[dict]], images: list[list], ma
     """Completions for chat prompts with their images, batched with left padding."""
     import torch
 
-    from vlmexp.train.common import vision_token_ids
+    from vlmexp.modeling import vision_token_ids
 
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
@@ -179,32 +188,14 @@ def generate(model, processor, prompts: list[list[dict]], images: list[list], ma
     return out
 
 
-def load_for_inference(cfg: Config, model_path: str):
-    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed)."""
-    from vlmexp.families import detect_family
-    from vlmexp.processor import load_processor
-    from vlmexp.train.common import adapter_base, load_pretrained
-
-    base = adapter_base(model_path)
-    family = detect_family(base or model_path)
-    model = load_pretrained(cfg, base or model_path, family)
-    if base is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, model_path).merge_and_unload()
-    model.eval()
-    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
-                               trust_remote_code=cfg.model.trust_remote_code)
-    return model, processor, family
-
-
 def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: str | Path) -> EvalResult:
     """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
     from transformers import set_seed
 
     from vlmexp.data.sample import atomic_write
+    from vlmexp.modeling import load_for_inference
     from vlmexp.processor import pixel_budget
-    from vlmexp.train.data import build_prompt, load_images, read_jsonl
+    from vlmexp.prompts import build_prompt, load_images, read_jsonl
 
     set_seed(cfg.run.seed)
     records = read_jsonl(records_path)
@@ -214,7 +205,8 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     prompts = [build_prompt(r, cfg.data, family) for r in records]
     completions = generate(model, processor, prompts, [load_images(r) for r in records], cfg.eval.max_new_tokens,
                            cfg.eval.temperature, cfg.eval.batch_size)
-    metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor))
+    metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor),
+                                  cfg.grpo.rewards)
     for row, prompt in zip(rows, prompts, strict=True):
         row["prompt"] = prompt[-1]["content"]
     out = Path(out_dir)

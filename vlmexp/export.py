@@ -24,9 +24,8 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
                  resolved_config: str | Path | None = None) -> Path:
     """Write safetensors (or the adapter), processor, chat template and manifest.json to `out_dir`,
     replacing it atomically: a reader sees the old folder or the new one, never a mix."""
-    from vlmexp.evaluate import load_for_inference
+    from vlmexp.modeling import adapter_base, load_for_inference
     from vlmexp.tracking import redacted_yaml
-    from vlmexp.train.common import adapter_base
 
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -24,10 +24,12 @@ def _tool(name: str) -> str:
 
 
 def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: str | None = None,
-                  overrides: Sequence[str] = (), run_id: str = "vlmexp") -> list[str]:
-    """The argv that runs `stage` with `config` under `launch`."""
+                  overrides: Sequence[str] = (), run_id: str = "vlmexp", mlflow_run_id: str | None = None) -> list[str]:
+    """The argv that runs `stage` with `config` under `launch` (`run_id` names the rendezvous; `mlflow_run_id`
+    is the MLflow run the stage logs into, else it starts its own in the config's store)."""
     inner = ["vlmexp.cli", "train", stage, "--config", str(config), "--in-process",
-             *(["--model", str(model)] if model else []), *overrides]
+             *(["--model", str(model)] if model else []),
+             *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else []), *overrides]
     n, nodes = launch.nproc_per_node, launch.nnodes
     if launch.launcher == "local":
         return [sys.executable, "-m", *inner]

@@ -11,7 +11,7 @@ from typing import Any
 
 from vlmexp.config import Config, DataSource
 from vlmexp.errors import DataError, short
-from vlmexp.models import check_model_path
+from vlmexp.modeling import check_model_path
 
 Found = tuple[tuple[str | int, ...], Any, str]  # (location in the config, value, message)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -112,27 +114,67 @@ def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
     return stage_dir
 
 
-def stage_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment plus `extra`, for a stage subprocess (whose data the pipeline sampled)."""
-    from vlmexp.train.common import SAMPLED_ENV
+def stage_env() -> dict[str, str]:
+    """The environment of a stage subprocess: this process's, with unbuffered output (streamed to the log).
+    Nothing else: what the stage needs is in its command line (config, model, MLflow run id)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-    return {**os.environ, "PYTHONUNBUFFERED": "1", SAMPLED_ENV: "1", **extra}
+
+_PERCENT = re.compile(r"(\d{1,3})%\|")  # tqdm's "45%|████▌     | 9/20 [...]"
+
+
+class ProgressLines:
+    """Passes output lines to `on_line`, but a progress bar's redraws (text ending in \\r) only at a readable
+    rate: when the bar reaches another tenth (a new bar starts at its first), or `every` seconds after the
+    last one shown; and its last state (its final draw, or the last redraw when the output ends)."""
+
+    def __init__(self, on_line: Callable[[str], None], every: float = 30.0):
+        self.on_line, self.every = on_line, every
+        self.shown_at, self.tenth, self.pending = -float("inf"), None, None
+
+    def line(self, text: str) -> None:
+        if _PERCENT.search(text):  # a bar's final draw (ended by a newline): its last state, shown
+            self.tenth, self.pending = None, None
+        self.on_line(text)
+
+    def redraw(self, text: str) -> None:
+        match = _PERCENT.search(text)
+        tenth = int(match.group(1)) // 10 if match else None
+        if tenth != self.tenth or time.monotonic() - self.shown_at >= self.every:
+            self.tenth, self.shown_at, self.pending = tenth, time.monotonic(), None
+            self.on_line(text)
+        else:
+            self.pending = text
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.on_line(self.pending)
+            self.pending = None
 
 
 def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str], None], tail: int = 40,
-                  cwd: str | Path | None = None) -> None:
-    """Run `cmd`, passing each output line (stdout and stderr merged) to `on_line`; raise StageFailed with
-    the exit code and the last `tail` lines when it fails."""
+                  cwd: str | Path | None = None, progress_every: float = 30.0) -> None:
+    """Run `cmd`, passing its output lines (stdout and stderr merged) to `on_line`, progress bar redraws at a
+    readable rate (`ProgressLines`); raise StageFailed with the exit code and the last `tail` lines shown
+    when it fails."""
     last: collections.deque[str] = collections.deque(maxlen=tail)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env),
-                            cwd=cwd, bufsize=1, errors="replace")
+
+    def show(line: str) -> None:
+        last.append(line)
+        on_line(line)
+
+    progress = ProgressLines(show, progress_every)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd)
     try:
         assert proc.stdout is not None
-        for raw in proc.stdout:
-            for line in raw.rstrip("\n").split("\r"):  # progress bars redraw with \r
-                if line.strip():
-                    last.append(line)
-                    on_line(line)
+        # newline="": lines come with their ending, so a redraw (ended by the \r that starts the next one)
+        # is told apart from a line
+        for raw in io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace", newline=""):
+            line = raw.rstrip("\r\n")
+            if not line.strip():
+                continue
+            (progress.redraw if raw.endswith("\r") else progress.line)(line)
+        progress.flush()
         rc = proc.wait()
     except BaseException:
         proc.kill()
@@ -167,11 +209,12 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     if not run_id:
         run_id = tracker.start_stage(parent_run_id, stage, {"stage_key": key})
         run_file.write_text(run_id + "\n")
-    command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}")
+    command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}",
+                            mlflow_run_id=run_id or None)
     on_line("running " + " ".join(command))
     start = time.monotonic()
     try:
-        run_streaming(command, stage_env(tracker.subprocess_env(run_id)), on_line)
+        run_streaming(command, stage_env(), on_line)
     except BaseException:
         tracker.end(run_id, "FAILED")
         raise

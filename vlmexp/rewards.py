@@ -3,9 +3,17 @@
 Signature (TRL GRPOTrainer): `f(prompts, completions, **columns) -> list[float | None]`; completions[i]
 is a list of messages (or a string). Dataset columns arrive as keyword lists: `solution`, `task`,
 `image_sizes`, ... A reward returns None for samples it does not apply to (a math reward on a grounding
-record); TRL ignores those in the weighted sum. A completion that cannot be parsed scores 0 and the
-reason is counted in `reward.failures` (logged as metrics); a reward that raises stops training with
-its name and the offending sample (`RewardError`). Evaluation scores with these same objects.
+record); TRL ignores those in the weighted sum. A reward that raises stops training with its name and the
+offending sample (`RewardError`). Evaluation scores with these same objects (built by `build_reward`).
+
+Rewards keep no state between calls. They report through the hooks TRL 1.16 passes to every reward
+function: `log_metric(name, value)` and `log_extra(column, values)`. A completion that cannot be parsed
+scores 0, and each call logs `rewards/<name>/unparsable/<reason>`: how many completions of the batch had
+that problem (every reason the reward knows is logged, zeros included, so the metric's mean over a
+logging window is the mean count per generation batch), plus a `<name>/unparsable` column (the reason
+or None per completion) for the completion table. Scores that are NaN, inf, or a custom reward's None
+are masked (None) and counted the same way as `rewards/<name>/masked/<reason>`. Called without the
+hooks (evaluation, DPO's pair scoring), nothing is reported.
 """
 
 from __future__ import annotations
@@ -16,8 +24,8 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from vlmexp.coords import from_frame, giou, iou, parse_box
 from vlmexp.errors import short
@@ -69,36 +77,57 @@ def _column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
     return list(values) if values is not None else [None] * n
 
 
+@dataclass(frozen=True)
+class Unparsable:
+    """What `score` returns for a completion it cannot read: it scores 0 and `reason` is counted."""
+
+    reason: str
+
+
+def report_counts(log_metric: Callable[[str, float], None] | None, prefix: str, counts: Counter,
+                  known: Sequence[str] = ()) -> None:
+    """Log `prefix/<reason>` for every known reason (zeros included) and every other reason that occurred."""
+    if log_metric is not None:
+        for reason in dict.fromkeys([*known, *counts]):
+            log_metric(f"{prefix}/{reason}", float(counts[reason]))
+
+
 @dataclass
 class Reward:
-    """Base class: subclasses implement `score(text, **sample) -> float | None`."""
+    """Base class: subclasses implement `score(text, **sample) -> float | Unparsable | None`."""
 
-    name: str = field(default="", init=False)
-    tasks: tuple[str, ...] = field(default=(), init=False)  # tasks it applies to; () = every task
-    failures: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
+    name: ClassVar[str] = ""
+    tasks: ClassVar[tuple[str, ...]] = ()  # tasks it applies to; () = every task
+    reasons: ClassVar[tuple[str, ...]] = ()  # why `score` may find a completion unparsable
 
     @property
     def __name__(self) -> str:  # TRL names the reward's metrics after __name__
         return self.name
 
     def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
-                 **kwargs: Any) -> list[Score]:
+                 log_metric: Callable[[str, float], None] | None = None,
+                 log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
         n = len(completions)
         columns = {k: _column(kwargs, k, n) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
         out: list[Score] = []
+        why: list[str | None] = []
         for i, completion in enumerate(completions):
             sample = {k: v[i] for k, v in columns.items()}
-            if self.tasks and sample.get("task") not in (None, *self.tasks):
-                out.append(None)
-                continue
-            out.append(self.score(completion_text(completion), **sample))
+            value = (None if self.tasks and sample.get("task") not in (None, *self.tasks)
+                     else self.score(completion_text(completion), **sample))
+            why.append(value.reason if isinstance(value, Unparsable) else None)
+            out.append(0.0 if isinstance(value, Unparsable) else value)
+        if self.reasons:
+            report_counts(log_metric, f"rewards/{self.name}/unparsable", Counter(r for r in why if r), self.reasons)
+            if log_extra is not None:
+                log_extra(f"{self.name}/unparsable", why)
         return out
 
-    def fail(self, reason: str) -> float:
-        self.failures[reason] += 1
-        return 0.0
+    @staticmethod
+    def fail(reason: str) -> Unparsable:
+        return Unparsable(reason)
 
-    def score(self, text: str, **sample: Any) -> Score:
+    def score(self, text: str, **sample: Any) -> float | Unparsable | None:
         raise NotImplementedError
 
 
@@ -107,16 +136,16 @@ class FormatReward(Reward):
     """1 when the completion has the asked-for shape.
 
     style "answer" (VLM-R1): exactly <think>...</think><answer>...</answer> (tags configurable).
-    style "boxed" (EasyR1's math format reward, `<think>.*</think>.*\\boxed\{.*\}.*`): reasoning in
+    style "boxed" (EasyR1's math format reward, `<think>.*</think>.*\\boxed\\{.*\\}.*`): reasoning in
     <think></think>, then the final answer in \\boxed{}.
     """
 
+    name: ClassVar[str] = "format"
     think_tag: str = "think"
     answer_tag: str = "answer"
     style: str = "answer"
 
     def __post_init__(self) -> None:
-        self.name = "format"
         t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
         patterns = {"answer": rf"\s*<{t}>.*?</{t}>\s*<{a}>.*?</{a}>\s*",
                     "boxed": rf"\s*<{t}>.*</{t}>.*\\boxed\{{.*\}}.*"}
@@ -124,7 +153,7 @@ class FormatReward(Reward):
             raise TypeError(f"style {self.style!r} is not one of {sorted(patterns)}")
         self._pattern = re.compile(patterns[self.style], re.DOTALL)
 
-    def score(self, text: str, **sample: Any) -> Score:
+    def score(self, text: str, **sample: Any) -> float:
         return 1.0 if self._pattern.fullmatch(text) else 0.0
 
 
@@ -132,22 +161,18 @@ class FormatReward(Reward):
 class IoUReward(Reward):
     """IoU in original pixels after mapping the predicted box from the family's frame.
 
-    `frame` and `budget` come from the model family and its loaded processor (see build_rewards).
-    With `threshold`, the reward is 1 when IoU >= threshold, else 0 (the `iou_threshold` reward). With
-    `generalized`, it is (GIoU + 1) / 2 in [0, 1] (the `giou` reward): dense where IoU is 0 everywhere.
+    `frame` and `budget` come from the model family and its loaded processor (see build_reward).
     """
 
+    name: ClassVar[str] = "iou"
+    tasks: ClassVar[tuple[str, ...]] = ("rec",)
+    reasons: ClassVar[tuple[str, ...]] = ("no_answer", "non_finite_box", "no_box", "degenerate_box")
     frame: str = "pixels"
     budget: Any = None  # vlmexp.processor.PixelBudget, needed for the "pixels" frame
-    threshold: float | None = None
-    generalized: bool = False
     answer_tag: str = "answer"
 
-    def __post_init__(self) -> None:
-        self.name = "giou" if self.generalized else "iou" if self.threshold is None else "iou_threshold"
-        self.tasks = ("rec",)
-
-    def score(self, text: str, solution: Any = None, image_sizes: Any = None, **sample: Any) -> Score:
+    def score(self, text: str, solution: Any = None, image_sizes: Any = None,
+              **sample: Any) -> float | Unparsable | None:
         gold = parse_box(solution)
         if gold is None or not image_sizes:
             raise ValueError(f"record has no ground-truth box or image size (solution={solution!r}, "
@@ -164,24 +189,43 @@ class IoUReward(Reward):
         if box[2] <= box[0] or box[3] <= box[1]:
             return self.fail("degenerate_box")
         width, height = image_sizes[0]
-        predicted = from_frame(box, width, height, self.frame, self.budget)
-        if self.generalized:
-            return (giou(predicted, gold) + 1) / 2
-        value = iou(predicted, gold)
-        return value if self.threshold is None else float(value >= self.threshold)
+        return self.value(from_frame(box, width, height, self.frame, self.budget), gold)
+
+    def value(self, predicted: list[float], gold: list[float]) -> float:
+        return iou(predicted, gold)
+
+
+@dataclass
+class IoUThresholdReward(IoUReward):
+    """1 when IoU >= `threshold`, else 0."""
+
+    name: ClassVar[str] = "iou_threshold"
+    threshold: float = 0.5
+
+    def value(self, predicted: list[float], gold: list[float]) -> float:
+        return float(iou(predicted, gold) >= self.threshold)
+
+
+@dataclass
+class GIoUReward(IoUReward):
+    """(GIoU + 1) / 2 in [0, 1]: dense where IoU is 0 everywhere."""
+
+    name: ClassVar[str] = "giou"
+
+    def value(self, predicted: list[float], gold: list[float]) -> float:
+        return (giou(predicted, gold) + 1) / 2
 
 
 @dataclass
 class MathReward(Reward):
     """1 when math-verify finds the answer (\\boxed{} or <answer>) equal to the solution."""
 
+    name: ClassVar[str] = "math"
+    tasks: ClassVar[tuple[str, ...]] = ("math",)
+    reasons: ClassVar[tuple[str, ...]] = ("no_answer", "unparsable_answer")
     answer_tag: str = "answer"
 
-    def __post_init__(self) -> None:
-        self.name = "math"
-        self.tasks = ("math",)
-
-    def score(self, text: str, solution: Any = None, **sample: Any) -> Score:
+    def score(self, text: str, solution: Any = None, **sample: Any) -> float | Unparsable | None:
         from math_verify import parse, verify
 
         answer = extract_answer(text, self.answer_tag)
@@ -209,13 +253,12 @@ class ExactReward(Reward):
     """1 when the answer equals the solution after normalising case, spaces and punctuation, or when
     both name the same choice letter ("B", "(B)", "B. a cat")."""
 
+    name: ClassVar[str] = "exact"
+    tasks: ClassVar[tuple[str, ...]] = ("exact",)
+    reasons: ClassVar[tuple[str, ...]] = ("no_answer",)
     answer_tag: str = "answer"
 
-    def __post_init__(self) -> None:
-        self.name = "exact"
-        self.tasks = ("exact",)
-
-    def score(self, text: str, solution: Any = None, **sample: Any) -> Score:
+    def score(self, text: str, solution: Any = None, **sample: Any) -> float | Unparsable | None:
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")
@@ -231,15 +274,8 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-REGISTRY: dict[str, Callable[..., Reward]] = {
-    "format": FormatReward,
-    "iou": IoUReward,
-    "iou_threshold": lambda threshold=0.5, **kw: IoUReward(threshold=threshold, **kw),
-    "giou": lambda **kw: IoUReward(generalized=True, **kw),
-    "math": MathReward,
-    "exact": ExactReward,
-}
-NEEDS_FRAME = {"iou", "iou_threshold", "giou"}
+REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
+                                                                 GIoUReward, MathReward, ExactReward)}
 
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
@@ -372,7 +408,7 @@ def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any) -> 
     if name not in REGISTRY:
         return guarded(load_custom(name), name)
     args = dict(kwargs)
-    if name in NEEDS_FRAME:
+    if issubclass(REGISTRY[name], IoUReward):  # boxes are read in the family's frame
         args.update(frame=frame, budget=budget)
     try:
         reward = REGISTRY[name](**args)
@@ -386,20 +422,14 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
 
     def __init__(self, fn: Callable[..., list[Score]], name: str):
         self.fn, self.__name__ = fn, name
-        self.observer: Callable[..., None] | None = None  # sees (name, prompts, completions, scores) of each call
-        self.masked: Counter = Counter()  # scores turned into None (TRL leaves those samples out), by reason
-
-    @property
-    def failures(self) -> Counter:
-        return getattr(self.fn, "failures", Counter())
 
     def __call__(self, prompts=None, completions=(), **kwargs):
         try:
             scores = self.fn(prompts=prompts, completions=completions, **kwargs)
         except Exception as batch_error:
-            for i in range(len(completions)):  # find the first sample that raises, to name it
+            for i in range(len(completions)):  # find the first sample that raises, to name it (hooks left out)
                 one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(completions) else v
-                       for k, v in kwargs.items()}
+                       for k, v in kwargs.items() if k not in ("log_metric", "log_extra")}
                 try:
                     self.fn(prompts=[prompts[i]] if prompts else None, completions=[completions[i]], **one)
                 except Exception as e:
@@ -407,24 +437,26 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                     raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on sample "
                                       f"{i} (completion {text!r}, solution {one.get('solution')!r})") from e
             raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} on the batch") from batch_error
-        scores = self._checked(scores, len(completions))
-        if self.observer is not None:
-            self.observer(self.__name__, prompts, completions, scores, kwargs)
+        scores, masked = self._checked(scores, len(completions))
+        custom = not isinstance(self.fn, Reward)  # a built-in's None means "not this sample's task"
+        report_counts(kwargs.get("log_metric"), f"rewards/{self.__name__}/masked", masked,
+                      ("nan", "inf", "none") if custom else ())
         return scores
 
-    def _checked(self, scores: Any, n: int) -> list[Score]:
-        """One float or None per completion. NaN and inf become None (masked, counted): TRL sums the
-        weighted rewards with nansum, so a masked sample gets no credit from this reward, and a NaN never
-        reaches the advantages. A custom reward's None is counted as masked too."""
+    def _checked(self, scores: Any, n: int) -> tuple[list[Score], Counter]:
+        """(one float or None per completion, masked counts by reason). NaN and inf become None (masked):
+        TRL sums the weighted rewards with nansum, so a masked sample gets no credit from this reward, and a
+        NaN never reaches the advantages. A custom reward's None is counted as masked too."""
         if not isinstance(scores, (list, tuple)) or len(scores) != n:
             raise RewardError(f"reward {self.__name__!r} must return a list of {n} scores (one per completion), "
                               f"got {type(scores).__name__} of length {len(scores) if hasattr(scores, '__len__') else '?'}")
         out: list[Score] = []
-        custom = not isinstance(self.fn, Reward)  # a built-in's None means "not this sample's task"
+        masked: Counter = Counter()
+        custom = not isinstance(self.fn, Reward)
         for i, value in enumerate(scores):
             if value is None:
                 if custom:
-                    self.masked["none"] += 1
+                    masked["none"] += 1
                 out.append(None)
                 continue
             if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
@@ -433,6 +465,6 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
             if math.isfinite(value):
                 out.append(value)
             else:
-                self.masked["nan" if math.isnan(value) else "inf"] += 1
+                masked["nan" if math.isnan(value) else "inf"] += 1
                 out.append(None)
-        return out
+        return out, masked

@@ -1,9 +1,9 @@
 """Experiment tracking: one MLflow experiment per config, a parent run per pipeline run, a child run per stage.
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
-in any thread log to the right run. A training subprocess joins its stage's child run through
-MLFLOW_RUN_ID (see `Tracker.subprocess_env`): transformers' MLflowCallback resumes that run and logs
-TRL's step metrics into it. `tracking.backend: none` gives a `NullTracker` with the same methods.
+in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
+and makes it its active run in the config's store (vlmexp.train.stage.open_stage_run), where
+transformers' MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
 """
 
 from __future__ import annotations
@@ -122,9 +122,6 @@ class NullTracker:
     def run_link(self, run_id: str) -> str:
         return ""
 
-    def subprocess_env(self, run_id: str) -> dict[str, str]:
-        return {}
-
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
         return ""
 
@@ -205,16 +202,6 @@ class MlflowTracker(NullTracker):
 
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} experiment {self.experiment_id} run {run_id}"
-
-    def subprocess_env(self, run_id: str) -> dict[str, str]:
-        """What a training subprocess needs to log into `run_id` (transformers' MLflowCallback)."""
-        # Asynchronous logging: TRL logs its profiling timings with a bare mlflow.log_metrics on every
-        # profiled call (43 ms each against a sqlite store, measured: bench/RESULTS.md); queued, they cost
-        # the step ~1 ms, and a store that goes away mid-run loses metrics (logged as errors) instead of
-        # stopping training.
-        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": self.experiment_id,
-                "HF_MLFLOW_LOG_ARTIFACTS": "FALSE", "MLFLOW_FLATTEN_PARAMS": "TRUE",
-                "MLFLOW_ENABLE_ASYNC_LOGGING": "true"}
 
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
         """Log `folder` as the run's `model` artifact and register it as a new version of `name`."""

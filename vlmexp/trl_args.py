@@ -89,11 +89,24 @@ def build_trl_config(stage: str, args: dict[str, Any], output_dir: str, **pipeli
     if problems:
         key, value, msg = problems[0]
         raise ValueError(f"{stage}.args.{key} = {value!r}: {msg}")
-    kwargs = {**pipeline_args, **converted}
+    kwargs = current_names(stage, {**pipeline_args, **converted})
     if not torch.cuda.is_available():
         kwargs.setdefault("bf16", False)
         kwargs.setdefault("use_cpu", True)
     return trl_config_class(stage)(output_dir=output_dir, **kwargs)
+
+
+def current_names(stage: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with activation checkpointing under transformers 5's names. TRL's configs set the older
+    ones (gradient_checkpointing defaults to True), which transformers deprecates with a FutureWarning at
+    every config built; the same values pass under the current names."""
+    fields = trl_config_class(stage).__dataclass_fields__
+    out = dict(kwargs)
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if new not in out:
+            out[new] = out.pop(old, fields[old].default)
+    return out
 
 
 def check_trl_args(stage: str, args: dict[str, Any]) -> list[tuple[str, Any, str]]:
@@ -102,16 +115,13 @@ def check_trl_args(stage: str, args: dict[str, Any]) -> list[tuple[str, Any, str
     Hardware is not checked here: a GPU recipe validates on a CPU machine (use_cpu is implied).
     """
     import tempfile
-    import warnings
 
     converted, problems = coerce_trl_args(stage, args)
     if problems:
         return problems
-    kwargs = dict(converted)
+    kwargs = current_names(stage, converted)
     kwargs.setdefault("use_cpu", True)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        # TRL's own defaults use names transformers 5 deprecates; that is not the user's doing.
-        warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6", category=FutureWarning)
+    with tempfile.TemporaryDirectory() as tmp:
         try:
             trl_config_class(stage)(output_dir=tmp, **kwargs)
         except (ValueError, TypeError) as e:

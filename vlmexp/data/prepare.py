@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vlmexp.config import Config, DataSource
 from vlmexp.data.sample import SampleResult, atomic_write, content_sha256, sample_sources
-from vlmexp.data.sources import load_data_yaml, resolve_relative, sha256_file
+from vlmexp.data.sources import glob_paths, load_data_yaml, locate, resolve_relative, sha256_file
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,63 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
     return train, val
 
 
-def prepare_data(cfg: Config) -> PreparedData:
-    """Sample train and validation data for a run; with `val_fraction`, hold out a seeded share."""
+REQUEST_NAME = "sampled_for.json"  # beside the sampled files: the request (`data_request`) they were sampled for
+
+
+def prepare_data(cfg: Config, reuse: bool = False) -> PreparedData:
+    """Sample train and validation data for a run; with `val_fraction`, hold out a seeded share.
+
+    `reuse`: keep the files already in <output_dir>/data when they were sampled for the same request (data
+    section, seed, and the sources' files unchanged) and still hold what their manifests record; a stage
+    process calls it so, the pipeline's sample task samples afresh."""
     out = Path(cfg.run.output_dir) / "data"
     train_src, val_src = config_sources(cfg)
+    request = data_request(cfg, [*train_src, *val_src])
+    held_out = bool(val_src) or bool(cfg.data.val_fraction)
+    if reuse and (found := _sampled_for(out, request, held_out)) is not None:
+        return found
     seed = cfg.run.seed
     train = sample_sources(train_src, out / "train.jsonl", seed)
     val = sample_sources(val_src, out / "val.jsonl", seed) if val_src else None
     if cfg.data.val_fraction:
         train, val = split_holdout(train, cfg.data.val_fraction, seed)
-    digest = ":".join(portable_manifest_sha256(r.manifest_path) for r in (train, val) if r is not None)
-    return PreparedData(train.path, val.path if val else None, hashlib.sha256(digest.encode()).hexdigest())
+    atomic_write(out / REQUEST_NAME, json.dumps({"request": request}) + "\n")
+    return _prepared(train.path, val.path if val else None)
+
+
+def _prepared(train: Path, val: Path | None) -> PreparedData:
+    manifests = [p.with_name(p.stem + ".manifest.json") for p in (train, val) if p is not None]
+    digest = ":".join(portable_manifest_sha256(m) for m in manifests)
+    return PreparedData(train, val, hashlib.sha256(digest.encode()).hexdigest())
+
+
+def data_request(cfg: Config, sources: list[DataSource]) -> str:
+    """What sampling reads, as a digest: the data section, the seed, and each local source file's path, size
+    and modification time (a Hub source by its name; images are not looked at)."""
+    files = []
+    for src in sources:
+        loc = locate(src.json_path)
+        p = Path(loc.path).expanduser()
+        found = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else \
+            [Path(x) for x in glob_paths(loc.path)] if loc.kind == "shards" else []
+        files += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in found]
+    parts = [cfg.data.model_dump(mode="json"), cfg.run.seed, [s.model_dump(mode="json") for s in sources], files]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _sampled_for(out: Path, request: str, held_out: bool) -> PreparedData | None:
+    """The sampled data in `out` when it was sampled for `request` and each file matches its manifest."""
+    try:
+        if json.loads((out / REQUEST_NAME).read_text())["request"] != request:
+            return None
+        paths = [out / "train.jsonl", *([out / "val.jsonl"] if held_out else [])]
+        for path in paths:
+            manifest = json.loads(path.with_name(path.stem + ".manifest.json").read_text())
+            if sha256_file(path) != manifest["records_sha256"]:
+                return None
+    except (OSError, ValueError, KeyError):
+        return None
+    return _prepared(paths[0], paths[1] if held_out else None)
 
 
 LOCAL_SOURCE_FIELDS = ("json_path", "image_root")  # where the data lives, not what it is

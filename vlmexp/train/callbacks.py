@@ -3,38 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 from transformers import TrainerCallback
-
-
-class RewardFailureMetrics(TrainerCallback):
-    """Add `rewards/<name>/unparsable/<reason>` (completions a reward could not parse) and
-    `rewards/<name>/masked/<reason>` (scores that were NaN, inf or a custom reward's None) since the last log.
-
-    Runs before the reporting callbacks (see `with_callbacks`) and writes into the log entry itself, so
-    the counts reach MLflow and trainer_state.json alike.
-    """
-
-    def __init__(self, rewards: Sequence[Any]):
-        self.rewards = rewards
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or not any(k.startswith("rewards/") for k in logs):
-            return
-        added = {}
-        for reward in self.rewards:
-            failures = reward.failures
-            for reason, count in failures.items():
-                added[f"rewards/{reward.__name__}/unparsable/{reason}"] = float(count)
-            failures.clear()
-            for reason, count in getattr(reward, "masked", {}).items():
-                added[f"rewards/{reward.__name__}/masked/{reason}"] = float(count)
-            getattr(reward, "masked", {}).clear()
-        logs.update(added)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(added)
 
 
 class SkipLoggedSteps(TrainerCallback):
@@ -75,42 +45,40 @@ class StopAtStep(TrainerCallback):
 
 
 class CompletionTable(TrainerCallback):
-    """Every `every` steps, log a table of sample completions with each reward's score to the MLflow run
-    the Trainer reports to (TRL sends none to MLflow). Sees the scores through the rewards' observer hook."""
+    """Every `every` steps, log a table of the latest generation batch's completions to the MLflow run the
+    Trainer reports to (TRL sends its own table only to wandb and trackio). It reads what GRPOTrainer
+    collected: prompts, completions, each reward's score, the advantages, and the columns logged through
+    `log_extra` (the record's image and solution, each reward's unparsable reason)."""
 
-    def __init__(self, rewards: Sequence[Any], every: int, rows: int):
-        self.every, self.rows, self.names = every, rows, [r.__name__ for r in rewards]
-        self.batch: dict[str, list] = {}
-        for reward in rewards:
-            reward.observer = self.observe
+    def __init__(self, trainer, every: int, rows: int):
+        self.trainer, self.every, self.rows = trainer, every, rows
 
-    def observe(self, name, prompts, completions, scores, columns) -> None:
+    def table(self, step: int) -> dict[str, list]:
         from vlmexp.rewards import completion_text
 
-        if name == self.names[0]:  # TRL calls the rewards in order on one batch
-            n = min(self.rows, len(completions))
-            self.batch = {
-                "image": list(columns.get("image_path", [""] * n))[:n],
-                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in (prompts or [""] * n)][:n],
-                "completion": [completion_text(c) for c in completions[:n]],
-                "solution": list(columns.get("solution", [""] * n))[:n],
-            }
-        self.batch[f"reward/{name}"] = list(scores[: len(self.batch.get("completion", []))])
+        logs, n = self.trainer._logs, min(self.rows, len(self.trainer._logs["completion"]))
+        extra = {k: list(v)[:n] for k, v in logs["extra"].items()}
+        return {"step": [step] * n, "image": extra.pop("image", [""] * n),
+                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in list(logs["prompt"])[:n]],
+                "completion": [completion_text(c) for c in list(logs["completion"])[:n]],
+                "solution": extra.pop("solution", [""] * n),
+                **{f"reward/{name}": list(v)[:n] for name, v in logs["rewards"].items()},
+                "advantage": list(logs["advantages"])[:n], **extra}
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not self.every or state.global_step % self.every or not state.is_world_process_zero or not self.batch:
+        if not self.every or state.global_step % self.every or not state.is_world_process_zero:
             return
-        if "mlflow" not in (args.report_to or []):  # tracking none: mlflow may not even be installed
-            return
+        if "mlflow" not in (args.report_to or []) or not self.trainer._logs["completion"]:
+            return  # tracking none: mlflow may not even be installed
         import mlflow
 
         if mlflow.active_run() is None:
             return
         import pandas as pd
 
-        table = pd.DataFrame({"step": state.global_step, **self.batch})
         try:
-            mlflow.log_table(table, artifact_file=f"completions/step_{state.global_step:06d}.json")
+            mlflow.log_table(pd.DataFrame(self.table(state.global_step)),
+                             artifact_file=f"completions/step_{state.global_step:06d}.json")
         except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
             logging.getLogger("vlmexp.train").warning(
                 "step %d: completion table not logged, MLflow store unreachable (%s); training goes on",

@@ -7,7 +7,7 @@ pipeline measures), best vs worst kept when their rewards differ by at least `mi
 are written once to <stage_dir>/pairs.jsonl (a resumed stage reuses them) with a summary in pairs.json.
 
 Reference model: with `dpo.peft` TRL disables the adapter to get it (no copy); in full fine-tuning TRL loads
-one frozen copy from the start model's folder (`model.config._name_or_path`, set by `load_model`), since
+one frozen copy from the start model's folder (`model.config._name_or_path`, set by `modeling.load_for_training`), since
 TRL 1.16 refuses `precompute_ref_log_probs` for image data.
 """
 
@@ -20,21 +20,24 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.train.common import StageInputs, load_model, prepare_stage, train_and_save, trl_args
+from vlmexp.modeling import load_for_training
+from vlmexp.train.checkpoints import train_and_save
+from vlmexp.train.stage import StageInputs, prepare_stage, trl_args
 
 log = logging.getLogger("vlmexp.train")
 PAIRS_FILE, SUMMARY_FILE = "pairs.jsonl", "pairs.json"
 
 
-def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()) -> Path:
+def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = (),
+            mlflow_run_id: str | None = None) -> Path:
     """Train with trl.DPOTrainer from the base model or `model_path` (the SFT stage's model or adapter)."""
     from trl import DPOTrainer
 
-    inputs = prepare_stage(cfg, "dpo", model_path)
+    inputs = prepare_stage(cfg, "dpo", model_path, mlflow_run_id)
     args = trl_args(inputs)
     pairs = load_pairs(inputs)
     train_dataset = build_pair_dataset(pairs)
-    model, peft_config = load_model(inputs)
+    model, peft_config = load_for_training(inputs)
     trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))
@@ -42,7 +45,7 @@ def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any]
 
 def load_pairs(inputs: StageInputs) -> list[dict[str, Any]]:
     """Pair rows {prompt, image_paths, chosen, rejected, ...} from the data or from the model's samples."""
-    from vlmexp.train.data import read_jsonl
+    from vlmexp.prompts import read_jsonl
 
     if inputs.cfg.dpo.pairs.from_ == "samples":
         path = inputs.stage_dir / PAIRS_FILE
@@ -64,7 +67,7 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
     """The sampled records as pairs; every one must be in the "pairs" format (checked before any model loads)."""
     from vlmexp.data.formats import parse_record
     from vlmexp.errors import DataError, Problem
-    from vlmexp.train.data import build_prompt, read_jsonl
+    from vlmexp.prompts import build_prompt, read_jsonl
 
     out, problems = [], []
     for n, record in enumerate(read_jsonl(inputs.train_path), start=1):
@@ -87,9 +90,10 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     import torch
 
     from vlmexp.data.sample import atomic_write
-    from vlmexp.evaluate import generate, load_for_inference
+    from vlmexp.evaluate import generate
+    from vlmexp.modeling import load_for_inference
+    from vlmexp.prompts import build_prompt, load_images, read_jsonl
     from vlmexp.rewards import build_reward
-    from vlmexp.train.data import build_prompt, load_images, read_jsonl
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
     records = read_jsonl(inputs.train_path)
@@ -154,7 +158,7 @@ def build_pair_dataset(pairs: list[dict[str, Any]]):
     rejected (assistant messages) and `images` (PIL)."""
     from datasets import Dataset
 
-    from vlmexp.train.data import load_images
+    from vlmexp.prompts import load_images
 
     return Dataset.from_list([{"prompt": p["prompt"], "images": load_images(p),
                                "chosen": [{"role": "assistant", "content": p["chosen"]}],

@@ -7,43 +7,45 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.train.common import (
-    load_model,
-    prepare_stage,
-    train_and_save,
-    trl_args,
-    vision_token_ids,
-    with_callbacks,
-)
+from vlmexp.modeling import load_for_training, vision_token_ids
+from vlmexp.train.checkpoints import train_and_save
+from vlmexp.train.stage import prepare_stage, trl_args
 
 
-def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()) -> Path:
+def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = (),
+             mlflow_run_id: str | None = None) -> Path:
     """Train with trl.GRPOTrainer from the base model or `model_path` (the SFT stage's model or adapter)."""
-    trainer, inputs, rows = build_grpo_trainer(cfg, model_path, callbacks)
+    trainer, inputs, rows = build_grpo_trainer(cfg, model_path, callbacks, mlflow_run_id)
     return train_and_save(trainer, inputs, rows)
 
 
-def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = ()):
+def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = (),
+                       mlflow_run_id: str | None = None):
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
+    import warnings
+
     from vlmexp.rewards import build_reward
-    from vlmexp.train.callbacks import CompletionTable, RewardFailureMetrics
+    from vlmexp.train.callbacks import CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad
 
-    inputs = prepare_stage(cfg, "grpo", model_path)
+    inputs = prepare_stage(cfg, "grpo", model_path, mlflow_run_id)
     generation = dict(cfg.grpo.args.get("generation_kwargs") or {})
     if not cfg.grpo.args.get("use_vllm"):  # HF generate: keep vision placeholders out of completions
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
-    model, peft_config = load_model(inputs)
+    model, peft_config = load_for_training(inputs)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
+    # TRL 1.16 switches activation checkpointing off and on around each generation through the model methods
+    # transformers 5 renamed (trl.models.utils.disable_gradient_checkpointing): three FutureWarnings per
+    # generation batch, from TRL's code, not ours; exactly those are silenced
+    warnings.filterwarnings("ignore", message=r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` "
+                                              "is deprecated", category=FutureWarning)
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
                                  callbacks=list(callbacks), pixel_budget=inputs.budget)
-    with_callbacks(trainer, first=[RewardFailureMetrics(rewards)],
-                   last=[CompletionTable(rewards, cfg.tracking.completions_every, cfg.tracking.completions_per_table)])
+    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table))
     return trainer, inputs, len(train_dataset)
-

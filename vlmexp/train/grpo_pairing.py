@@ -126,7 +126,8 @@ class GuardedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with the pairing guard; training itself is TRL's, unchanged.
 
     `_generate_and_score_completions` attaches each sample's expected grids (from its `image_sizes` column)
-    to the generation batch; `_prepare_inputs` checks the micro-batch it returns for the loss.
+    to the generation batch (and logs its image path and solution for the completion table);
+    `_prepare_inputs` checks the micro-batch it returns for the loss.
     `guard_seconds` adds up the time the guard costs (bench/grpo_guard.py reports it per step).
     """
 
@@ -137,6 +138,9 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
     def _generate_and_score_completions(self, inputs):
+        # the record's image and solution as completion-table columns (TRL's log_extra, flushed with the batch)
+        for column, key in (("image", "image_path"), ("solution", "solution")):
+            self._log_completion_extra(column, [x.get(key) for x in inputs])
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and "image_sizes" in inputs[0]:
             start = time.perf_counter()

@@ -7,21 +7,23 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.train.common import load_model, prepare_stage, train_and_save, trl_args
+from vlmexp.modeling import load_for_training
+from vlmexp.train.checkpoints import train_and_save
+from vlmexp.train.stage import prepare_stage, trl_args
 
 
-def run_sft(cfg: Config, callbacks: Sequence[Any] = ()) -> Path:
+def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None) -> Path:
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
     from trl import SFTTrainer
 
     from vlmexp.train.data import build_dataset, check_sequence_lengths
 
-    inputs = prepare_stage(cfg, "sft")
+    inputs = prepare_stage(cfg, "sft", mlflow_run_id=mlflow_run_id)
     args = trl_args(inputs)
     check_sequence_lengths(inputs.train_path, cfg.data, inputs.family, inputs.budget, inputs.processor,
                            args.max_length, "sft.args.max_length")
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft")
-    model, peft_config = load_model(inputs)
+    model, peft_config = load_for_training(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))

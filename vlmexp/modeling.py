@@ -1,0 +1,219 @@
+"""Every way a model is loaded: where a config's model lives, pretrained weights, LoRA adapters (merged or
+trained on), freezing, the vision token ids generation must suppress, and loading for inference.
+
+Training (vlmexp/train/), evaluation and export all load through here, so none of them imports another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vlmexp.config import Config, ModelConfig, StageConfig
+from vlmexp.errors import ConfigError, Problem
+from vlmexp.families import TINY_PREFIX, Family, detect_family, get_family
+
+if TYPE_CHECKING:
+    from vlmexp.train.stage import StageInputs
+
+log = logging.getLogger("vlmexp.model")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def is_hub_id(path: str) -> bool:
+    """'org/name' that is not a local path (no ./, ../, /, ~ prefix and not on disk)."""
+    return bool(_HUB_ID.fullmatch(path)) and not Path(path).exists() and not path.startswith((".", "~"))
+
+
+def check_model_path(path: str) -> str | None:
+    """None when `path` is a tiny spec, a hub id, or a local model folder; otherwise the problem and fix."""
+    if path.startswith(TINY_PREFIX) or is_hub_id(path):
+        return None
+    from vlmexp.paths import check_checkpoint
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        return "no such folder, and not a hub id (org/name); fix model.path or use tiny:qwen2_5_vl"
+    if not (p / "config.json").is_file():
+        return f"{p} has no config.json: point model.path at a Hugging Face model folder"
+    return check_checkpoint(p)
+
+
+def tiny_spec(cfg: ModelConfig):
+    from vlmexp.tiny import TinySpec
+
+    return TinySpec(**cfg.tiny.model_dump()) if cfg.tiny else TinySpec()
+
+
+def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family]:
+    """(path to load, family). A tiny model is built once under <output_dir>/models/ and reused."""
+    if cfg.is_tiny:
+        from vlmexp.tiny import make_tiny_model
+
+        family = get_family(cfg.path[len(TINY_PREFIX):])
+        spec = tiny_spec(cfg)
+        key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:8]
+        folder = Path(output_dir) / "models" / f"tiny-{family.name}-{key}"
+        if not (folder / "config.json").is_file():
+            make_tiny_model(folder, family.name, spec)
+        return str(folder), family
+    if is_hub_id(cfg.path):
+        if cfg.family is None:
+            raise ValueError(f"model.path {cfg.path!r} is a hub id: set model.family (one of qwen2_vl, "
+                             f"qwen2_5_vl, qwen3_vl) or download it and give the local folder")
+        return cfg.path, get_family(cfg.family)
+    family = detect_family(cfg.path)
+    if cfg.family and cfg.family != family.name:
+        raise ValueError(f"model.family {cfg.family!r} contradicts {cfg.path}/config.json "
+                         f"(model_type {family.name!r}): remove model.family")
+    return cfg.path, family
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model of a PEFT adapter folder (adapter_config.json), or None for a full model."""
+    config = Path(path) / "adapter_config.json"
+    return json.loads(config.read_text())["base_model_name_or_path"] if config.is_file() else None
+
+
+def check_hardware(stage_cfg: StageConfig, stage: str) -> None:
+    """Refuse what this machine cannot run, before anything is loaded."""
+    import importlib.util
+
+    import torch
+
+    if stage_cfg.peft is None or stage_cfg.peft.method != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(Problem(f"{stage}.peft.method", "", "QLoRA loads the base in 4 bits with bitsandbytes, "
+                                  "which needs a CUDA GPU; on this machine use method: lora", "qlora"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(Problem(f"{stage}.peft.method", "", "QLoRA needs bitsandbytes: "
+                                  "pip install 'vlmexp[gpu]'", "qlora"))
+
+
+def load_pretrained(cfg: Config, model_path: str, family: Family, quantize_4bit: bool = False):
+    """The family's model class from a folder or hub id, with the config's dtype and attention."""
+    import torch
+    import transformers
+
+    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    extra: dict[str, Any] = {}
+    if quantize_4bit:
+        extra["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=["visual", "lm_head"])
+    return getattr(transformers, family.model_class).from_pretrained(
+        model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code, **extra,
+    )
+
+
+def merged_start(inputs: StageInputs, adapter: str) -> str:
+    """Merge an adapter into its base once, under <stage_dir>/start-merged, and return that folder.
+
+    A folder on disk (not an in-memory merge) so GRPO's reference model, loaded from the policy's
+    `name_or_path`, is the merged model rather than the bare base.
+    """
+    from filelock import FileLock
+    from peft import PeftModel
+
+    target = inputs.stage_dir / "start-merged"
+    inputs.stage_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(inputs.stage_dir / ".merge.lock"):  # one rank merges, the others wait and reuse
+        if not (target / "config.json").is_file():
+            base = load_pretrained(inputs.cfg, adapter_base(adapter), inputs.family)
+            merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            merged.save_pretrained(str(tmp), is_main_process=True)
+            inputs.processor.save_pretrained(str(tmp))
+            tmp.rename(target)
+            log.info("merged adapter %s into %s", adapter, target)
+    return str(target.resolve())
+
+
+def load_for_training(inputs: StageInputs):
+    """(model, peft_config for the trainer or None). Handles full, LoRA, QLoRA and starting from an adapter:
+    `grpo.sft_adapter: merge` merges it first, `continue` keeps training it."""
+    stage_cfg, path = inputs.stage_cfg, inputs.model_path
+    base = adapter_base(path)
+    if base is not None and getattr(stage_cfg, "sft_adapter", "merge") == "merge":
+        path, base = merged_start(inputs, path), None
+    qlora = stage_cfg.peft is not None and stage_cfg.peft.method == "qlora"
+    weights = base or path
+    ckpt = inputs.resume_from
+    if ckpt and (Path(ckpt) / "config.json").is_file() and not (Path(ckpt) / "adapter_config.json").is_file():
+        # Full-model resume: the Trainer restores optimizer, scheduler, RNG and step, but loads the weights
+        # with a plain load_state_dict that skips transformers' key conversion, so a Qwen-VL checkpoint
+        # (saved as model.layers.*, visual.*) would silently keep only lm_head (transformers#43701).
+        # from_pretrained converts the keys; the Trainer's own load then only matches lm_head (same values)
+        # and warns about the other keys: that warning is expected.
+        log.info("loading the weights to resume from %s through from_pretrained (transformers#43701)", ckpt)
+        weights = ckpt
+    model = load_pretrained(inputs.cfg, weights, inputs.family, quantize_4bit=qlora)
+    model.config._name_or_path = base or path  # GRPO builds its reference model from this: the start model
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path, is_trainable=True)
+        log.info("continuing to train the adapter in %s", path)
+        return model, None
+    frozen = freeze(model, vision=stage_cfg.freeze_vision, merger=stage_cfg.freeze_merger)
+    if frozen:
+        log.info("froze %d vision parameters", frozen)
+    return model, lora_config(stage_cfg)
+
+
+def freeze(model, vision: bool, merger: bool) -> int:
+    """Stop gradients to the vision tower and/or the merger (projector); return the number of tensors frozen."""
+    n = 0
+    for name, param in model.named_parameters():
+        if "visual." not in name:
+            continue
+        if (merger if "merger" in name else vision):
+            param.requires_grad_(False)
+            n += 1
+    return n
+
+
+def lora_config(stage_cfg: StageConfig):
+    """peft's LoraConfig for the stage's `peft` section (None: full fine-tuning)."""
+    if stage_cfg.peft is None:
+        return None
+    from peft import LoraConfig
+
+    p = stage_cfg.peft
+    return LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
+                      modules_to_save=p.modules_to_save, task_type="CAUSAL_LM")
+
+
+def vision_token_ids(processor) -> list[int]:
+    """Ids of the vision placeholder tokens. A completion must never contain them: Qwen-VL's rope index
+    counts them as image positions, and the policy's forward pass fails with a shape mismatch."""
+    tok = processor.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return [i for i in ids if i is not None and i != tok.unk_token_id]
+
+
+def load_for_inference(cfg: Config, model_path: str):
+    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed)."""
+    from vlmexp.processor import load_processor
+
+    base = adapter_base(model_path)
+    family = detect_family(base or model_path)
+    model = load_pretrained(cfg, base or model_path, family)
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, model_path).merge_and_unload()
+    model.eval()
+    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
+                               trust_remote_code=cfg.model.trust_remote_code)
+    return model, processor, family

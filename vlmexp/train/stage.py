@@ -1,0 +1,143 @@
+"""What every stage entry point does the same way: seed, model and processor, sampled data, the MLflow run it
+logs into, and the TRL arguments.
+
+A stage process is told its state explicitly: the config (its tracking store, its data section) and, when
+the pipeline started it, `--mlflow-run-id` (the stage's child run). Nothing reaches it through environment
+variables, so `vlmexp train STAGE --config C` run by hand behaves like a stage the pipeline starts: it
+samples only when the sampled files are not those the config asks for, and logs to the configured store
+(into a run of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmexp.config import Config, StageConfig
+from vlmexp.families import Family
+
+log = logging.getLogger("vlmexp.train")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """The MLflow run a stage process logs into (only the process of global rank 0 has one)."""
+
+    uri: str
+    run_id: str
+
+
+@dataclass
+class StageInputs:
+    cfg: Config
+    stage: str  # "sft" | "dpo" | "grpo"
+    stage_dir: Path
+    model_path: str  # a model folder or hub id, or a LoRA adapter folder (see `modeling.adapter_base`)
+    family: Family
+    processor: Any
+    budget: Any
+    train_path: Path
+    resume_from: str | None  # newest complete checkpoint of this stage when resuming, else None
+    run: StageRun | None = None  # None: tracking off, or not the process that logs
+
+    @property
+    def stage_cfg(self) -> StageConfig:
+        return getattr(self.cfg, self.stage)
+
+
+def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
+                  mlflow_run_id: str | None = None) -> StageInputs:
+    """Seed, resolve the model and its processor, make sure the sampled data exists, open the MLflow run."""
+    from accelerate import PartialState
+    from transformers import set_seed
+
+    from vlmexp.data.prepare import prepare_data
+    from vlmexp.families import detect_family
+    from vlmexp.modeling import adapter_base, check_hardware, resolve_model
+    from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.train.checkpoints import last_checkpoint
+
+    check_hardware(getattr(cfg, stage), stage)
+    set_seed(cfg.run.seed)
+    Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
+    # Every rank of a launch gets here. The main process builds first (tiny model, sampled data): a non-zero
+    # rank's save_pretrained may skip the weights once torch.distributed is up. Then each node's local main
+    # process (whose output folder may be its own disk) before that node's other ranks, which find both
+    # current and only read them. Each context waits on a barrier of all ranks, so no rank reads data that
+    # another is still writing; a single process just runs the body.
+    state = PartialState()
+    with state.main_process_first(), state.local_main_process_first():
+        if model_path is None:
+            model_path, family = resolve_model(cfg.model, cfg.run.output_dir)
+        else:
+            family = detect_family(adapter_base(model_path) or model_path)
+        # sampled again only when the files are not what this config asks for (data section, seed, sources)
+        train_path = prepare_data(cfg, reuse=True).train
+    if Path(model_path).is_dir():  # absolute, so adapters saved from it name a base that loads from anywhere
+        model_path = str(Path(model_path).resolve())
+    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
+                               trust_remote_code=cfg.model.trust_remote_code)
+    stage_dir = Path(cfg.run.output_dir) / stage
+    resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
+    run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
+    return StageInputs(cfg, stage, stage_dir, model_path, family, processor, pixel_budget(processor), train_path,
+                       resume_from, run)
+
+
+def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | None:
+    """Make `run_id` (else a new run in the config's experiment) this process's active MLflow run, in the
+    store the config names; transformers' MLflowCallback then logs the Trainer's metrics into it and leaves
+    it open (`close_stage_run` ends it). None with `tracking.backend: none` (mlflow is not imported)."""
+    if cfg.tracking.backend == "none":
+        return None
+    import os
+
+    import mlflow
+
+    from vlmexp.tracking import make_tracker, run_tags
+
+    tracker = make_tracker(cfg)  # the configured store and experiment, created with its artifact location
+    if not run_id:  # a stage run by hand: a run of its own
+        run_id = tracker.start_pipeline(f"{cfg.run.name}-{stage}", {}, run_tags({"stage": stage}))
+    # MLflowCallback reads these settings from this process's environment only: the model config's nested
+    # dicts become one param per key. Asynchronous logging: TRL logs its profiling timings with a bare
+    # mlflow.log_metrics on every profiled call (43 ms each against a sqlite store, measured:
+    # bench/RESULTS.md); queued they cost the step ~1 ms, and a store that goes away mid-run loses
+    # metrics (logged as errors) instead of stopping training.
+    os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
+    mlflow.config.enable_async_logging(True)
+    mlflow.set_tracking_uri(tracker.uri)
+    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
+    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
+    return StageRun(tracker.uri, run_id)
+
+
+def close_stage_run(run: StageRun | None, finished: bool) -> None:
+    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
+    failure is logged and the model is saved (the pipeline closes the run itself)."""
+    if run is None:
+        return
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.end_run("FINISHED" if finished else "FAILED")
+    except (MlflowException, OSError) as e:
+        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
+                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
+
+
+def trl_args(inputs: StageInputs, **stage_args: Any):
+    """The stage's TRL config: the user's args plus what the pipeline owns (output, seed, tracking, DeepSpeed)."""
+    from vlmexp.trl_args import build_trl_config
+
+    cfg = inputs.cfg
+    pipeline = dict(seed=cfg.run.seed, run_name=f"{cfg.run.name}-{inputs.stage}",
+                    trust_remote_code=cfg.model.trust_remote_code,  # also governs GRPO's reference model
+                    report_to=["mlflow"] if cfg.tracking.backend == "mlflow" else [], **stage_args)
+    if cfg.launch.deepspeed:
+        pipeline["deepspeed"] = cfg.launch.deepspeed
+    return build_trl_config(inputs.stage, inputs.stage_cfg.args, str(inputs.stage_dir), **pipeline)
+
