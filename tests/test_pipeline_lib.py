@@ -20,7 +20,7 @@ from vlmexp.pipeline import (
     stage_key,
     write_result,
 )
-from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name
+from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name, ui_address
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs/demo.yaml"
@@ -107,3 +107,25 @@ def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
     metrics = json.loads(r.stdout[r.stdout.index("{"):])
     assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75"}
     assert (tmp_path / "eval" / "qwen2_5_vl" / "samples.jsonl").read_text().count("\n") == 5
+
+
+def test_the_experiment_opens_as_model_training_in_the_mlflow_ui(tmp_path):
+    """The UI reads the experiment tag mlflow.experimentKind; without it the pipeline's experiment opens in the
+    GenAI view. New experiments get "finetuning"; an untagged older one is tagged; a kind set by hand stays."""
+    from mlflow.tracking import MlflowClient
+
+    tracker = make_tracker(load_config(DEMO, [f"run.output_dir={tmp_path}"]))
+    client = MlflowClient(tracker.uri)
+    assert client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "finetuning"
+    # MLflow 3.17's UI picks its view from a switch in the browser, which this query sets: `vlmexp ui` prints it
+    assert ui_address("127.0.0.1", 5000, tracker.uri, "demo") == (f"http://127.0.0.1:5000/#/experiments/"
+                                                                  f"{tracker.experiment_id}?workflowType=machine_learning")
+    assert ui_address("h", 1, tracker.uri, "absent") == "http://h:1/#/experiments?workflowType=machine_learning"
+    older = client.create_experiment("older", artifact_location=(tmp_path / "older").as_uri())
+    assert "mlflow.experimentKind" not in client.get_experiment(older).tags
+    again = [f"run.output_dir={tmp_path}", "tracking.experiment_name=older"]
+    assert make_tracker(load_config(DEMO, again)).experiment_id == older
+    assert client.get_experiment(older).tags["mlflow.experimentKind"] == "finetuning"
+    client.set_experiment_tag(older, "mlflow.experimentKind", "custom_model_development")
+    make_tracker(load_config(DEMO, again))
+    assert client.get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 from vlmexp.config import ModelConfig
@@ -46,7 +45,7 @@ def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family
 
         family = get_family(cfg.path[len(TINY_PREFIX):])
         spec = tiny_spec(cfg)
-        key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:8]
+        key = hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:8]
         folder = Path(output_dir) / "models" / f"tiny-{family.name}-{key}"
         if not (folder / "config.json").is_file():
             make_tiny_model(folder, family.name, spec)

@@ -194,9 +194,9 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
 
 def write_result(folder: Path, result: dict) -> dict:
     """Record a stage's result next to its outputs (through a temporary file and a rename)."""
-    tmp = folder / f".{RESULT_NAME}.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, folder / RESULT_NAME)
+    from vlmexp.files import atomic_write
+
+    atomic_write(folder / RESULT_NAME, json.dumps(result, indent=1) + "\n")
     return result
 
 
