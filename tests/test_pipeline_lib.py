@@ -20,6 +20,7 @@ from vlmexp.pipeline import (
     stage_key,
     write_result,
 )
+from vlmexp.results import StageResult
 from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name, ui_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,14 +43,19 @@ def test_a_stage_deployment_run_fails_the_task_with_its_error_and_completes_with
     crashed = "Process exited with status code: -9. Process exited due to a SIGKILL signal."
     with pytest.raises(StageFailed, match=r"vlm-stage/gpu \(flow run fr-1\) ended CRASHED: Process exited with status "
                                           r"code: -9"):
-        remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a")
+        remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a", StageResult)
     with pytest.raises(StageFailed, match="completed but .*stage_result.json is not readable here .* must be shared"):
-        remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a")
-    write_result(tmp_path, {"key": "key-b", "final": "x"})
+        remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a", StageResult)
+    other = StageResult(stage="grpo", final="x", key="key-b", run_id="r", seconds=1.5)
+    write_result(tmp_path, other)
     with pytest.raises(StageFailed, match="belongs to stage key key-b"):
-        remote_result("vlm-stage/gpu", "fr-3", "COMPLETED", None, tmp_path, "key-a")
-    write_result(tmp_path, {"key": "key-a", "final": "x"})
-    assert remote_result("vlm-stage/gpu", "fr-4", "COMPLETED", None, tmp_path, "key-a") == {"key": "key-a", "final": "x"}
+        remote_result("vlm-stage/gpu", "fr-3", "COMPLETED", None, tmp_path, "key-a", StageResult)
+    mine = write_result(tmp_path, other.model_copy(update={"key": "key-a"}))
+    assert remote_result("vlm-stage/gpu", "fr-4", "COMPLETED", None, tmp_path, "key-a", StageResult) == mine
+    # a stage_result.json written before the results were typed (a plain dict of the same fields) still reads
+    (tmp_path / "stage_result.json").write_text(json.dumps({"stage": "grpo", "final": "x", "key": "key-a",
+                                                            "run_id": "r", "seconds": 1.5}))
+    assert remote_result("vlm-stage/gpu", "fr-5", "COMPLETED", None, tmp_path, "key-a", StageResult) == mine
 
 
 def test_a_stage_folder_of_other_inputs_is_archived_not_deleted(tmp_path):

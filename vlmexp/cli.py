@@ -84,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import vlm_pipeline
 
     result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)
-    print(result["summary"])
+    print(result.summary)
     # Send the flow's last log lines while the temporary server is up: at exit Prefect stops the server
     # first and then waits 5 s for a log worker that can no longer reach it.
     from prefect.logging.handlers import APILogHandler

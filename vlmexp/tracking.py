@@ -279,6 +279,20 @@ def make_tracker(cfg: Config) -> NullTracker:
     return MlflowTracker(store_uri(cfg), cfg.tracking.experiment_name or cfg.run.name, artifacts)
 
 
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
+    """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
+    run_id = tracker.start_stage(parent_run_id, "eval")
+    for e in evaluations:
+        metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
+        tracker.log_metrics(run_id, metrics)
+        rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
+        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
+    tracker.log_table(run_id, table, "evaluation/comparison.json")
+    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.end(run_id)
+
+
 def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
     """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and accuracies
     for DPO, the loss for SFT."""
