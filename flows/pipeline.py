@@ -25,90 +25,47 @@ from tasks.stages import (
     train_stage,
     validate_config,
 )
+from vlmexp.results import TRAINING_STAGES, PipelineResult  # typed results: light, no torch
 
 
-def _cached(task, output: str, force: bool, retries: int, delay: float, **params: Any) -> dict[str, Any]:
-    """Run `task` with the config's retries; a cached result whose files were deleted is recomputed."""
-    runner = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=force or None)
-    result = runner(**params)
-    path = result[output] if isinstance(result, dict) else result
-    if not Path(path).exists():
+def _cached(task, force: bool, retries: int, delay: float, **params: Any):
+    """Run `task` with the config's retries; a cached result whose output was deleted is recomputed."""
+    result = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=force or None)(**params)
+    if not Path(getattr(result, "output", result)).exists():
         result = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=True)(**params)
     return result
 
 
 @flow(name="vlm-pipeline", log_prints=True)
-def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> dict[str, Any]:
+def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
     from vlmexp.errors import quiet_bad_input_tracebacks
     from vlmexp.pipeline import check_pipeline_parameters, load_resolved, stage_key
-    from vlmexp.tracking import git_commit
 
     quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
     check_pipeline_parameters(config, overrides)
     pending = validate_config(config, overrides or [])
     cfg = load_resolved(pending)
     retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}
+    data = sample_data.with_options(retries=cfg.pipeline.retries)(pending)  # commits config.resolved.yaml
+    this_run = str(flow_run.id or "")
+    run = PipelineResult(name=cfg.run.name, config=config, data=data, flow_run_id=this_run,
+                         mlflow_run_id=start_tracking(data.resolved, data.hash, this_run))
+    tracked = {"resolved": data.resolved, "parent_run_id": run.mlflow_run_id, **retry}
 
-    data = sample_data.with_options(retries=cfg.pipeline.retries)(pending)
-    resolved = data["resolved"]  # config.resolved.yaml: written once the data sampled cleanly
-    parent = start_tracking(resolved, data["hash"], str(flow_run.id or ""))
-    summary = [f"# {cfg.run.name}", "", f"config `{config}`, data manifest `{data['hash'][:12]}`", "",
-               "| stage | status | seconds | output |", "|---|---|---|---|"]
+    for stage in TRAINING_STAGES:
+        run.stages[stage] = _cached(train_stage, stage=stage, key=stage_key(cfg, stage, data.hash, run.upstream_key),
+                                    model=run.start_model(stage), **tracked) if getattr(cfg, stage).enabled else None
 
-    model, upstream, candidates = data["base_model"], "", [("base", data["base_model"], "")]
-    stage_runs: dict[str, str] = {}
-    tags: dict[str, str] = {}
-    for stage in ("sft", "dpo", "grpo"):
-        if not getattr(cfg, stage).enabled:
-            summary.append(f"| {stage} | disabled | | |")
-            continue
-        key = stage_key(cfg, stage, data["hash"], upstream)
-        trained = _cached(train_stage, "final", stage=stage, resolved=resolved, key=key,
-                          model=None if stage == "sft" or model == data["base_model"] else model,
-                          parent_run_id=parent, **retry)
-        status = ("trained" if trained["flow_run_id"] == str(flow_run.id) else
-                  f"skipped: inputs unchanged since flow run {trained['flow_run_id'][:8]}")
-        summary.append(f"| {stage} | {status} | {trained['seconds']:.1f} | `{trained['final']}` |")
-        tags[f"stage.{stage}"] = status.split(":")[0]
-        stage_runs[stage] = trained["run_id"]
-        model, upstream = trained["final"], trained["key"]
-        candidates.append((stage, model, upstream))
+    if cfg.eval.enabled and data.val:
+        run.evaluations = [_cached(evaluate_model, name=name, model=path, records=data.val, **tracked,
+                                   key=stage_key(cfg, "eval", data.hash, f"{name}:{upstream}:{path}"))
+                           for name, path, upstream in run.candidates()]
+        run.evaluation = log_evaluation(data.resolved, run.evaluations, run.mlflow_run_id)
 
-    table, metrics = [], {}
-    if cfg.eval.enabled and data["val"]:
-        results = [_cached(evaluate_model, "samples", name=name, resolved=resolved,
-                           key=stage_key(cfg, "eval", data["hash"], f"{name}:{ukey}:{path}"),
-                           model=path, records=data["val"], parent_run_id=parent, **retry)
-                   for name, path, ukey in candidates]
-        table = log_evaluation(resolved, results, parent)
-        metrics = {r["name"]: r["metrics"] for r in results}
-        summary += ["", "## Evaluation", "", _markdown_table(table)]
-
-    exported, promotion = None, None
-    if cfg.export.enabled and len(candidates) > 1:
-        export_key = stage_key(cfg, "export", data["hash"], upstream)
-        exported = _cached(export_model, "manifest", resolved=resolved, key=export_key, model=model,
-                           parent_run_id=parent, **retry,
-                           provenance={"stage_key": upstream, "data_manifest_sha256": data["hash"],
-                                       "git_commit": git_commit(), "mlflow_parent_run_id": parent,
-                                       "mlflow_stage_run_ids": stage_runs, "evaluation": table})
-        summary += ["", f"Exported: `{exported}`"]
+    if cfg.export.enabled and run.trained:
+        export_key = stage_key(cfg, "export", data.hash, run.upstream_key)
+        run.export = _cached(export_model, key=export_key, model=run.model, provenance=run.provenance(), **tracked)
         if cfg.tracking.backend != "none":
-            value = metrics.get(candidates[-1][0], {}).get(cfg.export.metric)
-            promotion = register_model(resolved, export_key, exported, parent, value)
-            verdict = "**promoted to `champion`**" if promotion["promoted"] else "kept, **not promoted**"
-            summary.append(f"Registered `{promotion['name']}` version {promotion['version']}: {verdict} on "
-                           f"{promotion['metric']}: {promotion['reason']}")
-            tags["export.promoted"] = str(promotion["promoted"]).lower()
-    text = summarise(resolved, parent, summary, tags)
-    return {"resolved": resolved, "model": model, "evaluation": table, "export": exported, "promotion": promotion,
-            "mlflow_run_id": parent, "summary": text}
-
-
-def _markdown_table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return ""
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+            run.promotion = register_model(data.resolved, export_key, run.export, run.mlflow_run_id,
+                                           run.metric(cfg.export.metric))
+    return summarise(run)

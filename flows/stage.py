@@ -4,19 +4,20 @@ GPUs are (`pipeline.stage_deployments`). The pipeline's task starts it with `run
 It runs exactly what the pipeline's task runs in-process (`vlmexp.pipeline.run_training_stage` or
 `run_evaluation`): the same stage folder, MLflow child run, stage_key.json and resume from the newest
 checkpoint. It takes paths, keys and run ids only; the output folder and the MLflow store must be the
-same on the flow's machine and on this one. Its result is written to <stage folder>/stage_result.json.
+same on the flow's machine and on this one. Its result (`vlmexp.results.StageResult` or `Evaluation`) is
+written to <stage folder>/stage_result.json.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow, get_run_logger
+
+from vlmexp.results import Evaluation, StageResult
 
 
 @flow(name="vlm-stage", log_prints=True)
 def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, parent_run_id: str = "",
-              force: bool = False, name: str | None = None, records: str | None = None) -> dict[str, Any]:
+              force: bool = False, name: str | None = None, records: str | None = None) -> StageResult | Evaluation:
     """Train `stage` (sft, dpo, grpo) from `model`, or evaluate `model` as candidate `name` on `records`
     (stage eval), for the resolved config at `resolved`."""
     from vlmexp.pipeline import run_evaluation, run_training_stage

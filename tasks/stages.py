@@ -1,4 +1,5 @@
-"""Thin Prefect tasks over library calls. They pass paths, keys and run ids, never models.
+"""Thin Prefect tasks over library calls. They pass paths, keys and run ids, never models, and return the
+typed records of `vlmexp.results`.
 
 Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.stage_key`:
 the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
@@ -7,7 +8,6 @@ re-running the flow with the same config and data skips them; `force` recomputes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +15,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from vlmexp.export import Promotion
+from vlmexp.results import Evaluation, PipelineResult, SampledData, StageResult
+
 
 def _key(prefix: str):
     def cache_key(context, parameters: dict[str, Any]) -> str:
-        return f"vlmexp-{prefix}-{parameters['key']}"
+        # "v2": since issue 17 the tasks return typed results (vlmexp.results), not dicts; results persisted
+        # in the dict shape are under the old "vlmexp-<prefix>-" keys and are never read back
+        return f"vlmexp-v2-{prefix}-{parameters['key']}"
 
     return cache_key
 
@@ -48,7 +53,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 
 
 @task(name="sample-data", cache_policy=NO_CACHE, retry_condition_fn=retry_unless_bad_input)
-def sample_data(pending: str) -> dict[str, str | None]:
+def sample_data(pending: str) -> SampledData:
     """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.prepare import prepare_data
@@ -60,8 +65,8 @@ def sample_data(pending: str) -> dict[str, str | None]:
     data = prepare_data(cfg)  # raises on bad data before writing anything; a retry reads `pending` again
     resolved = commit_resolved(pending)
     get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
-    return {"train": str(data.train), "val": str(data.val) if data.val else None, "hash": data.manifest_sha256,
-            "base_model": model_path, "resolved": str(resolved)}
+    return SampledData(resolved=str(resolved), train=str(data.train), val=str(data.val) if data.val else None,
+                       hash=data.manifest_sha256, base_model=model_path)
 
 
 @task(name="start-tracking", cache_policy=NO_CACHE)
@@ -81,7 +86,7 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     return parent
 
 
-def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters: dict[str, Any]) -> dict | None:
+def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters: dict[str, Any], kind: type):
     """When `pipeline.stage_deployments` names a deployment for `stage`: run the `vlm-stage` flow there as a
     subflow of this task, wait, and return its result (a run that did not complete raises its error, so
     this task's retry starts it again). Otherwise None: the caller runs the stage in this process."""
@@ -96,12 +101,12 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
     run = run_deployment(name, parameters={"stage": stage, "resolved": resolved, "key": key, **parameters},
                          as_subflow=True)
     get_run_logger().info("%s: flow run %s (%s) ended %s", stage, run.name, run.id, run.state.name)
-    return remote_result(name, str(run.id), run.state.type.value, run.state.message, folder, key)
+    return remote_result(name, str(run.id), run.state.type.value, run.state.message, folder, key, kind)
 
 
 @task(name="train-stage", cache_key_fn=_key("train"), persist_result=True)
 def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
-                force: bool = False) -> dict[str, Any]:
+                force: bool = False) -> StageResult:
     """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
     on the stage's deployment (`pipeline.stage_deployments`). A retry (same key) resumes from the newest
     checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run."""
@@ -109,52 +114,48 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
 
     folder = Path(load_resolved(resolved).run.output_dir) / stage
     result = _on_deployment(stage, resolved, folder, key, {"model": model, "parent_run_id": parent_run_id,
-                                                            "force": force})
+                                                            "force": force}, StageResult)
     if result is None:
         result = run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
-    return {**result, "flow_run_id": str(flow_run.id)}
+    return result.model_copy(update={"flow_run_id": str(flow_run.id)})
 
 
 @task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True)
-def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> dict[str, Any]:
+def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> Evaluation:
     """Generate on the held-out records with `model` and score with the training rewards (here, or on the
     `eval` deployment)."""
     from vlmexp.pipeline import load_resolved, run_evaluation
 
     folder = Path(load_resolved(resolved).run.output_dir) / "eval" / name
-    result = _on_deployment("eval", resolved, folder, key, {"name": name, "model": model, "records": records})
+    result = _on_deployment("eval", resolved, folder, key, {"name": name, "model": model, "records": records},
+                            Evaluation)
     if result is None:
         result = run_evaluation(name, resolved, key, model, records)
-    get_run_logger().info("%s: %s", name, result["metrics"])
+    get_run_logger().info("%s: %s", name, result.metrics)
     return result
 
 
 @task(name="log-evaluation", cache_policy=NO_CACHE)
-def log_evaluation(resolved: str, results: list[dict[str, Any]], parent_run_id: str) -> list[dict[str, Any]]:
+def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: str) -> list[dict[str, Any]]:
     """One MLflow child run for evaluation: metrics per model, the comparison table, per-sample tables;
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
-    from vlmexp.evaluate import METRIC_KEYS
     from vlmexp.pipeline import load_resolved
-    from vlmexp.tracking import make_tracker
+    from vlmexp.results import comparison_table
+    from vlmexp.tracking import log_evaluation_run, make_tracker
 
     cfg = load_resolved(resolved)
-    tracker = make_tracker(cfg)
-    table = [{"model": r["name"], **{k: round(r["metrics"][k], 4) for k in METRIC_KEYS if k in r["metrics"]}}
-             for r in results]
-    run_id = tracker.start_stage(parent_run_id, "eval")
-    for r in results:
-        tracker.log_metrics(run_id, {**{f"{r['name']}/{k}": v for k, v in r["metrics"].items()},
-                                     f"{r['name']}/seconds": r["seconds"]})
-        rows = [json.loads(line) for line in Path(r["samples"]).read_text().splitlines()]
-        tracker.log_table(run_id, [{"model": r["name"], **row} for row in rows], f"evaluation/{r['name']}_samples.json")
-    tracker.log_table(run_id, table, "evaluation/comparison.json")
-    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
-    tracker.end(run_id)
-    create_table_artifact(table, key=f"{cfg.run.name.lower().replace('_', '-').replace('.', '-')}-evaluation",
+    table = comparison_table(evaluations)
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table)
+    create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
+
+
+def _artifact_key(name: str) -> str:
+    """A Prefect artifact key from run.name (lowercase letters, digits and dashes)."""
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 @task(name="export", cache_key_fn=_key("export"), persist_result=True)
@@ -171,7 +172,7 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 
 
 @task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
-def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> dict[str, Any]:
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
     """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline import load_resolved
@@ -183,26 +184,23 @@ def register_model(resolved: str, key: str, folder: str, parent_run_id: str, val
                                      cfg.export.direction)
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
-    return promotion.as_dict()
+    return promotion
 
 
 @task(name="summarise", cache_policy=NO_CACHE)
-def summarise(resolved: str, parent_run_id: str, lines: list[str], tags: dict[str, str],
-              status: str = "FINISHED") -> str:
-    """The run's markdown summary as a Prefect artifact and an MLflow artifact; closes the parent run."""
+def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
+    """The run's markdown summary as a Prefect artifact and an MLflow artifact; tags and closes the parent run."""
     from prefect.artifacts import create_markdown_artifact
 
     from vlmexp.pipeline import load_resolved
+    from vlmexp.summary import render_summary, summary_tags
     from vlmexp.tracking import make_tracker
 
-    cfg = load_resolved(resolved)
+    cfg = load_resolved(run.data.resolved)
     tracker = make_tracker(cfg)
-    text = "\n".join(lines) + "\n"
-    if tracker.enabled:
-        text += f"\nMLflow: `{tracker.run_link(parent_run_id)}` (browse: `vlmexp ui --store {tracker.uri}`)\n"
-    create_markdown_artifact(text, key=f"{cfg.run.name.lower().replace('_', '-').replace('.', '-')}-summary",
-                             description="vlm-pipeline summary")
-    tracker.log_text(parent_run_id, text, "summary.md")
-    tracker.set_tags(parent_run_id, tags)
-    tracker.end(parent_run_id, status)
-    return text
+    text = render_summary(run, tracker.run_link(run.mlflow_run_id), tracker.uri)
+    create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
+    tracker.log_text(run.mlflow_run_id, text, "summary.md")
+    tracker.set_tags(run.mlflow_run_id, summary_tags(run))
+    tracker.end(run.mlflow_run_id, status)
+    return run.model_copy(update={"summary": text})

@@ -182,3 +182,12 @@ def test_readme_config_reference_is_current():
 
     readme = (REPO / "README.md").read_text()
     assert render_reference() in readme, "README config reference is stale: paste `vlmexp config-reference`"
+
+
+def test_every_config_field_has_a_description():
+    """Each field says what it is for (TRL documents every field); the README reference shows it."""
+    from vlmexp.config_reference import config_sections
+
+    missing = [f"{name}.{key}".lstrip(".") for name, model in config_sections()
+               for key, field in model.model_fields.items() if not (field.description or "").strip()]
+    assert not missing, f"config fields without a description (add Field(description=...)): {missing}"

@@ -117,14 +117,14 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     ev = runs["eval"]
     assert {"base/rec_mean_iou", "sft/rec_mean_iou", "grpo/format_rate", "grpo/count"} <= set(ev.data.metrics)
     assert {"evaluation/base_samples.json", "evaluation/grpo_samples.json"} <= set(_artifacts(client, ev.info.run_id))
-    assert [row["model"] for row in result["evaluation"]] == ["base", "sft", "grpo"]
+    assert [row["model"] for row in result.evaluation] == ["base", "sft", "grpo"]
     assert (out / "export" / "model.safetensors").is_file()
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
     assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
     # registry: the first export becomes the champion, with its metric on the version
-    assert result["promotion"]["promoted"] and result["promotion"]["version"] == "1"
-    assert "promoted to `champion`" in result["summary"] and tags["export.promoted"] == "true"
+    assert result.promotion.promoted and result.promotion.version == "1"
+    assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"
     champion = client.get_model_version_by_alias("vlmexp-demo", "champion")
     assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
     assert "model/model.safetensors" in _artifacts(client, parent.info.run_id)
@@ -137,7 +137,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate", "export"}
 
     again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret])
-    assert "skipped: inputs unchanged" in again["summary"]
+    assert "skipped: inputs unchanged" in again.summary
     rerun = _latest_parent(out)  # the rerun is its own pipeline run in MLflow, with the skip recorded
     assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
     states = _task_states(rerun.data.tags["prefect.flow_run_id"])
@@ -175,7 +175,7 @@ def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp
     assert first_checkpoint.stat().st_mtime <= marker.stat().st_mtime  # kept, not redone: the retry resumed
     state = json.loads((out / "grpo" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3  # ...and the retry finished the stage
-    assert result["model"] == str(out / "grpo" / "final")
+    assert result.model == str(out / "grpo" / "final")
     logged = [h["step"] for h in state["log_history"] if "loss" in h]
     assert logged == [1, 2, 3]  # step 1 restored from checkpoint-1, steps 2-3 trained by the retry
 

@@ -20,7 +20,8 @@ from vlmexp.pipeline import (
     stage_key,
     write_result,
 )
-from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name
+from vlmexp.results import StageResult
+from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name, ui_address
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs/demo.yaml"
@@ -42,14 +43,19 @@ def test_a_stage_deployment_run_fails_the_task_with_its_error_and_completes_with
     crashed = "Process exited with status code: -9. Process exited due to a SIGKILL signal."
     with pytest.raises(StageFailed, match=r"vlm-stage/gpu \(flow run fr-1\) ended CRASHED: Process exited with status "
                                           r"code: -9"):
-        remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a")
+        remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a", StageResult)
     with pytest.raises(StageFailed, match="completed but .*stage_result.json is not readable here .* must be shared"):
-        remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a")
-    write_result(tmp_path, {"key": "key-b", "final": "x"})
+        remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a", StageResult)
+    other = StageResult(stage="grpo", final="x", key="key-b", run_id="r", seconds=1.5)
+    write_result(tmp_path, other)
     with pytest.raises(StageFailed, match="belongs to stage key key-b"):
-        remote_result("vlm-stage/gpu", "fr-3", "COMPLETED", None, tmp_path, "key-a")
-    write_result(tmp_path, {"key": "key-a", "final": "x"})
-    assert remote_result("vlm-stage/gpu", "fr-4", "COMPLETED", None, tmp_path, "key-a") == {"key": "key-a", "final": "x"}
+        remote_result("vlm-stage/gpu", "fr-3", "COMPLETED", None, tmp_path, "key-a", StageResult)
+    mine = write_result(tmp_path, other.model_copy(update={"key": "key-a"}))
+    assert remote_result("vlm-stage/gpu", "fr-4", "COMPLETED", None, tmp_path, "key-a", StageResult) == mine
+    # a stage_result.json written before the results were typed (a plain dict of the same fields) still reads
+    (tmp_path / "stage_result.json").write_text(json.dumps({"stage": "grpo", "final": "x", "key": "key-a",
+                                                            "run_id": "r", "seconds": 1.5}))
+    assert remote_result("vlm-stage/gpu", "fr-5", "COMPLETED", None, tmp_path, "key-a", StageResult) == mine
 
 
 def test_a_stage_folder_of_other_inputs_is_archived_not_deleted(tmp_path):
@@ -129,3 +135,25 @@ def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
     metrics = json.loads(r.stdout[r.stdout.index("{"):])
     assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75"}
     assert (tmp_path / "eval" / "qwen2_5_vl" / "samples.jsonl").read_text().count("\n") == 5
+
+
+def test_the_experiment_opens_as_model_training_in_the_mlflow_ui(tmp_path):
+    """The UI reads the experiment tag mlflow.experimentKind; without it the pipeline's experiment opens in the
+    GenAI view. New experiments get "finetuning"; an untagged older one is tagged; a kind set by hand stays."""
+    from mlflow.tracking import MlflowClient
+
+    tracker = make_tracker(load_config(DEMO, [f"run.output_dir={tmp_path}"]))
+    client = MlflowClient(tracker.uri)
+    assert client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "finetuning"
+    # MLflow 3.17's UI picks its view from a switch in the browser, which this query sets: `vlmexp ui` prints it
+    assert ui_address("127.0.0.1", 5000, tracker.uri, "demo") == (f"http://127.0.0.1:5000/#/experiments/"
+                                                                  f"{tracker.experiment_id}?workflowType=machine_learning")
+    assert ui_address("h", 1, tracker.uri, "absent") == "http://h:1/#/experiments?workflowType=machine_learning"
+    older = client.create_experiment("older", artifact_location=(tmp_path / "older").as_uri())
+    assert "mlflow.experimentKind" not in client.get_experiment(older).tags
+    again = [f"run.output_dir={tmp_path}", "tracking.experiment_name=older"]
+    assert make_tracker(load_config(DEMO, again)).experiment_id == older
+    assert client.get_experiment(older).tags["mlflow.experimentKind"] == "finetuning"
+    client.set_experiment_tag(older, "mlflow.experimentKind", "custom_model_development")
+    make_tracker(load_config(DEMO, again))
+    assert client.get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"

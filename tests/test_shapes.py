@@ -15,7 +15,6 @@ from the tiny model's config, issue 20) while its CPU test ran only the tiny sha
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ PUBLISHED_PARAMETERS = {"qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8_292_1
 
 def scaled(spec):
     """`spec` at CI width: real depth, head_dim, kv heads, vocabulary, mrope and vision depth/heads/blocks."""
-    return replace(spec, num_heads=spec.num_kv_heads, hidden_size=spec.num_kv_heads * spec.head_dim,
-                   intermediate_size=256, vision_hidden_size=256, vision_intermediate_size=256)
+    return type(spec)(**{**spec.model_dump(), "num_heads": spec.num_kv_heads, "hidden_size": spec.num_kv_heads * spec.head_dim,
+                         "intermediate_size": 256, "vision_hidden_size": 256, "vision_intermediate_size": 256})
 
 
 def image_batch(processor, side: int = 112):

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import Problem, VlmexpError
-
-FAMILY_NAMES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+from vlmexp.families import FAMILIES
 
 
 def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> None:
@@ -85,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import vlm_pipeline
 
     result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)
-    print(result["summary"])
+    print(result.summary)
     # Send the flow's last log lines while the temporary server is up: at exit Prefect stops the server
     # first and then waits 5 s for a log worker that can no longer reach it.
     from prefect.logging.handlers import APILogHandler
@@ -122,7 +122,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
     import json
 
-    from vlmexp.data.sample import atomic_write
+    from vlmexp.files import atomic_write
     from vlmexp.evaluate import score_predictions
     from vlmexp.paths import check_output_file
 
@@ -167,13 +167,15 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import os
 
     from vlmexp.config_loader import load_config
-    from vlmexp.tracking import store_uri
+    from vlmexp.tracking import store_uri, ui_address
 
-    uri = store_uri(load_config(args.config, [], check_paths=False, check_trl=False)) if args.config else args.store
+    cfg = load_config(args.config, [], check_paths=False, check_trl=False) if args.config else None
+    uri = store_uri(cfg) if cfg else args.store
+    experiment = (cfg.tracking.experiment_name or cfg.run.name) if cfg else ""
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
                "--port", str(args.port), "--workers", "1"]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # 2 processes, ~0.5 GB instead of ~9
-    print(f"MLflow UI for {uri} on http://{args.host}:{args.port}", flush=True)
+    print(f"MLflow UI for {uri} on {ui_address(args.host, args.port, uri, experiment)}", flush=True)
     os.execve(sys.executable, command, env)
     return 0
 
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a tiny random-weight model of a family (offline)")
     p.add_argument("dir")
-    p.add_argument("--family", choices=FAMILY_NAMES, default="qwen2_5_vl")
+    p.add_argument("--family", choices=list(FAMILIES), default="qwen2_5_vl")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
@@ -276,10 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("score", help="score a predictions JSONL (data records + `completion`) from any system")
     p.add_argument("predictions", help="JSONL: one data record per line (any format `sample` reads) plus `completion`")
-    p.add_argument("--family", required=True, choices=FAMILY_NAMES, help="the box frame of the completions")
-    p.add_argument("--min-pixels", type=int, help="image processor min_pixels (default: released checkpoints', 3136)")
+    p.add_argument("--family", required=True, choices=list(FAMILIES), help="the box frame of the completions")
+    p.add_argument("--min-pixels", type=int,
+                   help=f"image processor min_pixels (default: released checkpoints', {RELEASED_PIXELS[0]})")
     p.add_argument("--max-pixels", type=int,
-                   help="image processor max_pixels (default: released checkpoints', 12845056)")
+                   help=f"image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
     p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
     p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
     p.set_defaults(func=cmd_score)

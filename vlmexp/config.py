@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from vlmexp.data.demo import Scenes
-from vlmexp.families import FAMILIES, TINY_PREFIX
+from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact"]
 TASKS: tuple[str, ...] = ("rec", "math", "exact")
@@ -63,18 +63,22 @@ class RunConfig(Section):
 
 
 class TinyModelConfig(Section):
-    """Sizes for `model.path: tiny:<family>` (see vlmexp.tiny.TinySpec)."""
+    """Sizes of the embedded model (`model.path: tiny:<family>`). The defaults give ~0.8M parameters, which
+    train on a laptop CPU in seconds. `vlmexp.tiny.TinySpec` extends these with the shapes of published
+    checkpoints."""
 
-    hidden_size: PositiveInt = 128
-    intermediate_size: PositiveInt = 256
-    num_layers: PositiveInt = 2
-    num_heads: PositiveInt = 4
-    num_kv_heads: PositiveInt = 2
-    vision_hidden_size: PositiveInt = 64
-    vision_depth: PositiveInt = 2
-    vision_heads: PositiveInt = 4
-    vocab_size: PositiveInt = 1024
-    seed: int = 0
+    hidden_size: PositiveInt = Field(128, description="Text model width (also the vision merger's output).")
+    intermediate_size: PositiveInt = Field(256, description="Text model MLP width.")
+    num_layers: PositiveInt = Field(2, description="Text decoder layers.")
+    num_heads: PositiveInt = Field(4, description="Text attention heads; hidden_size / num_heads must be a "
+                                                  "multiple of 8.")
+    num_kv_heads: PositiveInt = Field(2, description="Text key/value heads (grouped-query attention); divides "
+                                                     "num_heads.")
+    vision_hidden_size: PositiveInt = Field(64, description="Vision tower width.")
+    vision_depth: PositiveInt = Field(2, description="Vision tower blocks.")
+    vision_heads: PositiveInt = Field(4, description="Vision tower attention heads.")
+    vocab_size: PositiveInt = Field(1024, description="BPE vocabulary trained locally, before the special tokens.")
+    seed: int = Field(0, description="Seed of the tokenizer corpus and the random weights.")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -87,14 +91,17 @@ class TinyModelConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(..., description="Local HF folder, hub id (org/name), or tiny:<family>.")
-    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] | None = Field(
+    family: FamilyName | None = Field(
         None, description="Detected from the checkpoint's config.json when left out."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights' dtype when loading; auto: the checkpoint's own (float32 for tiny models).")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa", description="transformers' attention kernel; flash_attention_* need the flash-attn package (GPU).")
     min_pixels: PositiveInt | None = Field(None, description="Image pixel floor; default: the processor's.")
     max_pixels: PositiveInt | None = Field(None, description="Image pixel ceiling; default: the processor's.")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="Let transformers run Python code shipped with the "
+                                                        "checkpoint (only for checkpoints you trust).")
     tiny: TinyModelConfig | None = Field(None, description="Sizes for tiny:<family> models.")
 
     @field_validator("path")
@@ -165,9 +172,10 @@ class DataSource(Section):
 class DemoDataConfig(Section):
     """Generate the embedded grounding dataset under <output_dir>/demo_data on first use."""
 
-    train: PositiveInt = 256
-    val: PositiveInt = 64
-    seed: int = 0
+    train: PositiveInt = Field(256, description="Training records to generate.")
+    val: PositiveInt = Field(64, description="Held-out records to generate.")
+    seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data stays "
+                                     "the same across training seeds).")
     width: tuple[PositiveInt, PositiveInt] = Field(Scenes.width, description="Image width range [low, high].")
     height: tuple[PositiveInt, PositiveInt] = Field(Scenes.height, description="Image height range [low, high].")
     objects: tuple[PositiveInt, PositiveInt] = Field(Scenes.objects, description="Shapes per image [low, high].")
@@ -196,10 +204,13 @@ class DataConfig(Section):
     data_yaml: str | None = Field(None, description="A VLM-R1 data YAML with a `datasets:` list.")
     demo: DemoDataConfig | None = Field(None, description="Use the generated demo dataset.")
     val_datasets: list[DataSource] | None = Field(None, description="Held-out sources.")
-    val_data_yaml: str | None = None
+    val_data_yaml: str | None = Field(None, description="A VLM-R1 data YAML of held-out sources.")
     val_fraction: float | None = Field(None, gt=0, lt=1, description="Hold out this share of training rows.")
-    system_prompt: str | None = None
-    prompt_templates: dict[Task, str] = Field(default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES))
+    system_prompt: str | None = Field(None, description="A system message put before every prompt; none by default.")
+    prompt_templates: dict[Task, str] = Field(
+        default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES),
+        description="The user prompt per task (rec, math, exact), with {problem} and, for rec, {frame} (the "
+                    "family's box frame); tasks not given keep the default (vlmexp.config.DEFAULT_PROMPT_TEMPLATES).")
 
     @field_validator("prompt_templates")
     @classmethod
@@ -239,10 +250,11 @@ LM_LORA_TARGETS = r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"
 class PeftConfig(Section):
     """LoRA on the language model (QLoRA: the base loaded in 4 bits, CUDA + bitsandbytes only)."""
 
-    method: Literal["lora", "qlora"] = "lora"
-    r: PositiveInt = 16
-    alpha: PositiveInt = 32
-    dropout: float = Field(0.05, ge=0, lt=1)
+    method: Literal["lora", "qlora"] = Field("lora", description="lora, or qlora: LoRA on a 4-bit base (CUDA + "
+                                                                 "bitsandbytes).")
+    r: PositiveInt = Field(16, description="LoRA rank.")
+    alpha: PositiveInt = Field(32, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA path.")
     target_modules: str | list[str] = Field(
         LM_LORA_TARGETS, description="Regex (full match) or module names. The default keeps LoRA off the "
                                      "vision tower, whose MLP shares the language model's layer names.")
@@ -250,7 +262,7 @@ class PeftConfig(Section):
 
 
 class StageConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Run this stage; off, the next stage starts from the previous model.")
     args: dict[str, Any] = Field(default_factory=dict, description="Passed through to TRL's config class.")
     peft: PeftConfig | None = Field(None, description="LoRA/QLoRA; null = full fine-tuning.")
     freeze_vision: bool = Field(False, description="Full fine-tuning: keep the vision tower's weights fixed.")
@@ -276,8 +288,9 @@ class SFTStageConfig(StageConfig):
 class RewardSpec(Section):
     name: str = Field(..., description="A registered reward (format, iou, iou_threshold, math, exact) "
                                        "or module:function.")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
+                                                                     "(e.g. iou_threshold's threshold).")
 
     @field_validator("name")
     @classmethod
@@ -293,8 +306,8 @@ class GRPOStageConfig(StageConfig):
     """GRPO with trl.GRPOTrainer; `args` are trl.GRPOConfig fields."""
 
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(name="format", weight=0.5), RewardSpec(name="iou", weight=1.0)]
-    )
+        default_factory=lambda: [RewardSpec(name="format", weight=0.5), RewardSpec(name="iou", weight=1.0)],
+        description="The reward functions and their weights; evaluation scores with the same ones.")
     sft_adapter: Literal["merge", "continue"] = Field(
         "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
                              "full or with a new grpo.peft), or continue training that adapter.")
@@ -327,8 +340,9 @@ class DPOStageConfig(StageConfig):
     adapter-disabled policy (no copy); in full fine-tuning TRL loads one frozen copy of the start model
     (precompute_ref_log_probs is refused by TRL 1.16 for image data)."""
 
-    enabled: bool = False
-    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig)
+    enabled: bool = Field(False, description="Run DPO (between SFT and GRPO); off by default.")
+    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig, description="Where the preference pairs come "
+                                                                                "from.")
 
     @model_validator(mode="after")
     def _no_precompute(self) -> DPOStageConfig:
@@ -339,19 +353,28 @@ class DPOStageConfig(StageConfig):
 
 
 class EvalConfig(Section):
-    enabled: bool = True
-    batch_size: PositiveInt = 8
-    max_new_tokens: PositiveInt = 128
+    """Evaluation of the base model and of each trained stage's model on the held-out records."""
+
+    enabled: bool = Field(True, description="Evaluate (needs held-out records: data.val_* or the demo's).")
+    batch_size: PositiveInt = Field(8, description="Records per generate call.")
+    max_new_tokens: PositiveInt = Field(128, description="Tokens generated per record.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
-    max_samples: PositiveInt | None = None
+    max_samples: PositiveInt | None = Field(None, description="Evaluate on the first N held-out records only; "
+                                                              "default: all.")
 
 
 class ExportConfig(Section):
-    enabled: bool = True
-    merge_lora: bool = True
-    registered_name: str | None = None
-    metric: str = "rec_mean_iou"
-    direction: Literal["maximize", "minimize"] = "maximize"
+    """Export of the last trained model and its registration in the MLflow Model Registry."""
+
+    enabled: bool = Field(True, description="Export the last trained model (a self-contained folder with "
+                                            "manifest.json) and register it.")
+    merge_lora: bool = Field(True, description="Merge a LoRA adapter into the base weights; false: export the "
+                                               "adapter folder as it is.")
+    registered_name: str | None = Field(None, description="Registered model name in MLflow; default: run.name.")
+    metric: str = Field("rec_mean_iou", description="The evaluation metric that decides whether a new version "
+                                                    "takes the `champion` alias.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a higher or a lower "
+                                                                               "metric is better.")
 
     @field_validator("metric")
     @classmethod
@@ -364,7 +387,10 @@ class ExportConfig(Section):
 
 
 class TrackingConfig(Section):
-    backend: Literal["mlflow", "none"] = "mlflow"
+    """Where runs, metrics and artifacts are recorded."""
+
+    backend: Literal["mlflow", "none"] = Field("mlflow", description="mlflow, or none: nothing is recorded (and "
+                                                                     "mlflow is not imported).")
     tracking_uri: str | None = Field(None, description="Default sqlite:///<run.output_dir>/mlflow.db; "
                                                         "MLFLOW_TRACKING_URI wins.")
     experiment_name: str | None = Field(None, description="Default: run.name.")
@@ -401,14 +427,17 @@ class PipelineConfig(Section):
 
 
 class LaunchConfig(Section):
-    launcher: Literal["local", "torchrun", "accelerate", "deepspeed"] = "local"
-    nproc_per_node: PositiveInt = 1
-    nnodes: PositiveInt = 1
-    node_rank: int = Field(0, ge=0)
+    """How a training stage's process is started (vlmexp.launch.stage_command)."""
+
+    launcher: Literal["local", "torchrun", "accelerate", "deepspeed"] = Field(
+        "local", description="local: one process; torchrun, accelerate or deepspeed: their launcher around it.")
+    nproc_per_node: PositiveInt = Field(1, description="Processes (GPUs) per node.")
+    nnodes: PositiveInt = Field(1, description="Nodes taking part.")
+    node_rank: int = Field(0, ge=0, description="This node's rank, 0 to nnodes - 1.")
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node runs.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path.")
-    accelerate_config: str | None = None
-    hostfile: str | None = None
+    accelerate_config: str | None = Field(None, description="An accelerate config YAML (launcher accelerate).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile (lines of 'host slots=N') for multi-node runs.")
 
     @model_validator(mode="after")
     def _multi_node(self) -> LaunchConfig:
@@ -428,14 +457,16 @@ class LaunchConfig(Section):
 
 
 class Config(Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig
-    data: DataConfig
-    sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
-    dpo: DPOStageConfig = Field(default_factory=DPOStageConfig)
-    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    launch: LaunchConfig = Field(default_factory=LaunchConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """A whole experiment: one YAML, every stage."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Name, output folder and seed.")
+    model: ModelConfig = Field(..., description="The model to train: a checkpoint, a hub id or tiny:<family>.")
+    data: DataConfig = Field(..., description="Training and held-out data, and the prompts.")
+    sft: SFTStageConfig = Field(default_factory=SFTStageConfig, description="Supervised fine-tuning.")
+    dpo: DPOStageConfig = Field(default_factory=DPOStageConfig, description="Direct preference optimisation.")
+    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig, description="GRPO with the configured rewards.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the held-out records.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="Export and registry promotion.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How training processes start.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Retries and where stages run.")

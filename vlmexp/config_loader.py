@@ -184,9 +184,6 @@ def _model_in(annotation: Any) -> Any:
 
 def dump_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as YAML (what a stage subprocess reads)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    tmp.replace(p)
-    return p
+    from vlmexp.files import atomic_write
+
+    return atomic_write(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

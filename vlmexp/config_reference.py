@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import typing
@@ -34,26 +35,32 @@ def _default(field) -> str:
     return f"`{text}`" if len(text) < 60 else "(see configs/)"
 
 
-def _section(name: str, model: type[BaseModel], out: list[str]) -> None:
-    doc = (model.__doc__ or "").strip().splitlines()
-    out.append(f"\n#### `{name}`\n")
-    if doc and not doc[0].startswith("!!!"):
-        out.append(doc[0] + "\n")
-    out.append("| key | type | default | meaning |\n|---|---|---|---|")
-    nested = []
+def config_sections(name: str = "", model: type[BaseModel] = Config) -> list[tuple[str, type[BaseModel]]]:
+    """(dotted name, model) of every section of the config tree, depth first, `Config` itself first."""
+    out = [(name, model)]
     for key, field in model.model_fields.items():
-        out.append(f"| `{field.alias or key}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
         for arg in (field.annotation, *typing.get_args(field.annotation)):
             inner = typing.get_args(arg)[0] if typing.get_origin(arg) is list else arg
             if isinstance(inner, type) and issubclass(inner, BaseModel):
-                nested.append((f"{name}.{key}" + ("[]" if typing.get_origin(arg) is list else ""), inner))
+                dotted = f"{name}.{key}".lstrip(".") + ("[]" if typing.get_origin(arg) is list else "")
+                out += config_sections(dotted, inner)
                 break
-    for sub_name, sub_model in nested:
-        _section(sub_name, sub_model, out)
+    return out
+
+
+def _section(name: str, model: type[BaseModel], out: list[str]) -> None:
+    doc = inspect.cleandoc(model.__doc__ or "").split("\n\n")[0].replace("\n", " ")  # its first paragraph
+    out.append(f"\n#### `{name}`\n" if name else "\n#### Sections\n")
+    if doc and not doc.startswith("!!!"):
+        out.append(doc + "\n")
+    out.append("| key | type | default | meaning |\n|---|---|---|---|")
+    for key, field in model.model_fields.items():
+        meaning = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{field.alias or key}` | {_type_name(field.annotation)} | {_default(field)} | {meaning} |")
 
 
 def render_reference() -> str:
     out: list[str] = []
-    for key, field in Config.model_fields.items():
-        _section(key, field.annotation, out)
+    for name, model in config_sections():
+        _section(name, model, out)
     return "\n".join(out).lstrip("\n") + "\n"

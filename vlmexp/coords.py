@@ -20,9 +20,10 @@ from vlmexp.families import BoxFrame
 
 Box = list[float]  # [x1, y1, x2, y2]
 
-# Real Qwen2.5-VL checkpoints ship these (preprocessor_config.json); class defaults differ.
-QWEN25_CHECKPOINT_MIN_PIXELS = 3136
-QWEN25_CHECKPOINT_MAX_PIXELS = 12845056
+# The pixel bounds the released Qwen2(.5)-VL checkpoints ship (preprocessor_config.json; class defaults
+# differ): min_pixels 4x28x28, max_pixels 16384x28x28. Used only where no processor can be read
+# (`vlmexp score`); everything else reads the loaded processor.
+RELEASED_PIXELS = (3136, 12845056)
 MAX_ASPECT_RATIO = 200
 
 

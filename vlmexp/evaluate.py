@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
+from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import short
 
 log = logging.getLogger("vlmexp.eval")
@@ -64,11 +65,6 @@ def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str],
         if per_task[task]:
             metrics[f"{task}_accuracy"] = sum(per_task[task]) / len(per_task[task])
     return metrics, rows
-
-
-# The pixel bounds of the released checkpoints' image processors (used by `vlmexp score`, which has no
-# processor to read them from): min_pixels 4x28x28, max_pixels 16384x28x28.
-RELEASED_PIXELS = (3136, 12845056)
 
 
 def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[dict], list[str]]:
@@ -192,7 +188,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
     from transformers import set_seed
 
-    from vlmexp.data.sample import atomic_write
+    from vlmexp.files import atomic_write
     from vlmexp.modeling import load_for_inference
     from vlmexp.processor import pixel_budget
     from vlmexp.prompts import build_prompt, load_images, read_jsonl

@@ -24,31 +24,26 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
                  resolved_config: str | Path | None = None) -> Path:
     """Write safetensors (or the adapter), processor, chat template and manifest.json to `out_dir`,
     replacing it atomically: a reader sees the old folder or the new one, never a mix."""
+    from vlmexp.files import new_folder
     from vlmexp.modeling import adapter_base, load_for_inference
     from vlmexp.tracking import redacted_yaml
 
     out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     base = adapter_base(model_path)
-    if base is not None and not cfg.export.merge_lora:
-        shutil.copytree(model_path, tmp, ignore=shutil.ignore_patterns("checkpoint-*", "*.pt", "*.pth"))
-    else:
-        model, processor, _ = load_for_inference(cfg, model_path)  # an adapter is merged here
-        model.save_pretrained(str(tmp), is_main_process=True)
-        processor.save_pretrained(str(tmp))
-    full = {"source": str(model_path), "merged_lora": base is not None and cfg.export.merge_lora,
-            "adapter_base": base, **manifest}
-    if resolved_config:
-        full["config_sha256"] = hashlib.sha256(Path(resolved_config).read_bytes()).hexdigest()
-        (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
-    (tmp / "manifest.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    with new_folder(out, replace=True) as tmp:
+        if base is not None and not cfg.export.merge_lora:
+            shutil.copytree(model_path, tmp, ignore=shutil.ignore_patterns("checkpoint-*", "*.pt", "*.pth"),
+                            dirs_exist_ok=True)
+        else:
+            model, processor, _ = load_for_inference(cfg, model_path)  # an adapter is merged here
+            model.save_pretrained(str(tmp), is_main_process=True)
+            processor.save_pretrained(str(tmp))
+        full = {"source": str(model_path), "merged_lora": base is not None and cfg.export.merge_lora,
+                "adapter_base": base, **manifest}
+        if resolved_config:
+            full["config_sha256"] = hashlib.sha256(Path(resolved_config).read_bytes()).hexdigest()
+            (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
+        (tmp / "manifest.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
     return out
 
 

@@ -36,6 +36,7 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]  # the config's `model.family` values, from FAMILIES
 TINY_PREFIX = "tiny:"
 
 

@@ -10,8 +10,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +57,7 @@ def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family
 
         family = get_family(cfg.path[len(TINY_PREFIX):])
         spec = tiny_spec(cfg)
-        key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:8]
+        key = hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:8]
         folder = Path(output_dir) / "models" / f"tiny-{family.name}-{key}"
         if not (folder / "config.json").is_file():
             make_tiny_model(folder, family.name, spec)
@@ -124,17 +122,17 @@ def merged_start(inputs: StageInputs, adapter: str) -> str:
     from filelock import FileLock
     from peft import PeftModel
 
+    from vlmexp.files import new_folder
+
     target = inputs.stage_dir / "start-merged"
     inputs.stage_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(inputs.stage_dir / ".merge.lock"):  # one rank merges, the others wait and reuse
         if not (target / "config.json").is_file():
             base = load_pretrained(inputs.cfg, adapter_base(adapter), inputs.family)
             merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-            tmp = target.with_name(target.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            merged.save_pretrained(str(tmp), is_main_process=True)
-            inputs.processor.save_pretrained(str(tmp))
-            tmp.rename(target)
+            with new_folder(target, replace=True) as tmp:  # replace: a folder without config.json is a leftover
+                merged.save_pretrained(str(tmp), is_main_process=True)
+                inputs.processor.save_pretrained(str(tmp))
             log.info("merged adapter %s into %s", adapter, target)
     return str(target.resolve())
 

@@ -13,8 +13,12 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from vlmexp.config import Config
+from vlmexp.results import Evaluation, Result, StageResult
+
+R = TypeVar("R", bound=Result)
 
 RESOLVED_NAME = "config.resolved.yaml"
 PENDING_NAME = ".config.pending.yaml"
@@ -188,7 +192,7 @@ RESULT_NAME = "stage_result.json"
 
 
 def run_training_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
-                       on_line: Callable[[str], None], force: bool = False) -> dict:
+                       on_line: Callable[[str], None], force: bool = False) -> StageResult:
     """One training stage, wherever it runs (the flow's train task, or the `vlm-stage` flow on another pool).
 
     The stage folder belongs to `key`: a retry (same key) resumes from the newest checkpoint and reuses the
@@ -231,25 +235,25 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
                                  **({f"pairs/{k}": v for k, v in json.loads(counts.read_text()).items()}
                                     if counts.is_file() else {})})
     tracker.end(run_id, "FINISHED")
-    result = {"stage": stage, "final": str(stage_dir / "final"), "key": key, "run_id": run_id, "seconds": seconds}
+    result = StageResult(stage=stage, final=str(stage_dir / "final"), key=key, run_id=run_id, seconds=seconds)
     return write_result(stage_dir, result)
 
 
-def write_result(folder: Path, result: dict) -> dict:
-    """Record a stage's result next to its outputs (through a temporary file and a rename)."""
-    tmp = folder / f".{RESULT_NAME}.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, folder / RESULT_NAME)
+def write_result(folder: Path, result: R) -> R:
+    """Record a stage's result next to its outputs as stage_result.json (through a temporary file and a rename)."""
+    from vlmexp.files import atomic_write
+
+    atomic_write(folder / RESULT_NAME, result.model_dump_json(indent=1) + "\n")
     return result
 
 
 def remote_result(deployment: str, flow_run: str, state: str, message: str | None, folder: Path,
-                  key: str) -> dict:
+                  key: str, kind: type[R]) -> R:
     """The result of a stage that ran as deployment `deployment` (flow run `flow_run`, final state `state`).
 
     A run that did not complete raises StageFailed with its state message (the stage's error), so the
     calling task fails and its retry starts the deployment again, which resumes from the checkpoint. A
-    completed run's result is read from `folder`/stage_result.json, which must carry `key`.
+    completed run's result is read from `folder`/stage_result.json, which must carry `key`, as a `kind`.
     """
     if state != "COMPLETED":
         raise StageFailed(f"stage deployment {deployment} (flow run {flow_run}) ended {state}: "
@@ -264,10 +268,10 @@ def remote_result(deployment: str, flow_run: str, state: str, message: str | Non
     if result.get("key") != key:
         raise StageFailed(f"{path} belongs to stage key {str(result.get('key'))[:12]}, not {key[:12]}: "
                           "another run wrote the folder; retrying")
-    return result
+    return kind.model_validate(result)
 
 
-def run_evaluation(name: str, resolved: str, key: str, model: str, records: str) -> dict:
+def run_evaluation(name: str, resolved: str, key: str, model: str, records: str) -> Evaluation:
     """Generate on the held-out `records` with `model` and score with the training rewards, into
     <output_dir>/eval/<name>/ (with stage_result.json, as `run_training_stage`)."""
     from vlmexp.evaluate import evaluate
@@ -276,6 +280,6 @@ def run_evaluation(name: str, resolved: str, key: str, model: str, records: str)
     start = time.monotonic()
     folder = Path(cfg.run.output_dir) / "eval" / name
     result = evaluate(cfg, model, records, folder)
-    return write_result(folder, {"name": name, "model": model, "metrics": result.metrics,
-                                 "samples": str(result.samples_path), "key": key,
-                                 "seconds": time.monotonic() - start})
+    return write_result(folder, Evaluation(name=name, model=model, metrics=result.metrics,
+                                           samples=str(result.samples_path), key=key,
+                                           seconds=time.monotonic() - start))

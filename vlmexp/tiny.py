@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
 
+from pydantic import ConfigDict
+
+from vlmexp.config import TinyModelConfig
 from vlmexp.families import Family, get_family
+from vlmexp.files import new_folder
 
 # Qwen-VL's special tokens, in the order the real tokenizers number them.
 SPECIAL_TOKENS = [
@@ -40,21 +41,12 @@ _WORDS = (
 ).split()
 
 
-@dataclass(frozen=True)
-class TinySpec:
-    """Sizes of the tiny model. Defaults give ~1M parameters: it trains on a laptop CPU in seconds."""
+class TinySpec(TinyModelConfig):
+    """The config's tiny sizes (`model.tiny`, `TinyModelConfig`) plus what it leaves to follow from them, which a
+    published checkpoint's shape sets (SHAPES). Frozen: SHAPES are constants."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    vision_hidden_size: int = 64
-    vision_depth: int = 2
-    vision_heads: int = 4
-    vocab_size: int = 1024  # BPE vocabulary before special tokens
-    seed: int = 0
-    # Left None, these follow from the sizes above; set, they give a published checkpoint's shape (SHAPES).
+    model_config = ConfigDict(frozen=True)
+
     head_dim: int | None = None  # text attention; Qwen2(.5)-VL requires hidden_size = num_heads x head_dim
     model_vocab_size: int | None = None  # embedding rows; default: the tokenizer's length rounded up to 64
     vision_intermediate_size: int | None = None  # default: 2 x vision_hidden_size
@@ -239,44 +231,31 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
 
     fam = get_family(family)
     spec = spec or TinySpec()
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: choose a new folder or delete it first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = build_tokenizer(fam, spec)
-    config = model_config(fam, spec, tokenizer)
-    torch.manual_seed(spec.seed)
-    model_class = getattr(transformers, fam.model_class)
-    if dtype is None and device is None:
-        model = model_class(config)
-    else:
-        with torch.device(device or "cpu"):
-            model = model_class._from_config(config, dtype=getattr(torch, dtype or "float32"))
-    model.generation_config = GenerationConfig(
-        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
-        pad_token_id=config.text_config.pad_token_id,
-        do_sample=False,
-    )
-    image_processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=fam.default_patch_size,
-        merge_size=2,
-        temporal_patch_size=2,
-        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if fam.name == "qwen3_vl" else {}),
-    )
-    processor = images_only_class(fam)(image_processor=image_processor, tokenizer=tokenizer,
-                                       chat_template=tokenizer.chat_template)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with new_folder(out_dir) as tmp:  # checks first that out_dir is absent or empty
+        tokenizer = build_tokenizer(fam, spec)
+        config = model_config(fam, spec, tokenizer)
+        torch.manual_seed(spec.seed)
+        model_class = getattr(transformers, fam.model_class)
+        if dtype is None and device is None:
+            model = model_class(config)
+        else:
+            with torch.device(device or "cpu"):
+                model = model_class._from_config(config, dtype=getattr(torch, dtype or "float32"))
+        model.generation_config = GenerationConfig(
+            eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
+            pad_token_id=config.text_config.pad_token_id,
+            do_sample=False,
+        )
+        image_processor = transformers.Qwen2VLImageProcessorPil(
+            patch_size=fam.default_patch_size,
+            merge_size=2,
+            temporal_patch_size=2,
+            **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if fam.name == "qwen3_vl" else {}),
+        )
+        processor = images_only_class(fam)(image_processor=image_processor, tokenizer=tokenizer,
+                                           chat_template=tokenizer.chat_template)
         model.save_pretrained(tmp, is_main_process=True)  # whatever rank builds it (under a launcher) writes it
         processor.save_pretrained(tmp)
         image_processor.save_pretrained(tmp)  # preprocessor_config.json, as real checkpoints ship
-        (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **asdict(spec)}, indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **spec.model_dump()}, indent=2))
+    return Path(out_dir)

@@ -19,6 +19,15 @@ from typing import Any
 from vlmexp.config import Config
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+# The experiment's kind, as MLflow's UI reads it from this tag: "finetuning" is one of the kinds its JS bundle
+# knows (with genai_development, custom_model_development, regression, ...) and maps to the model-training
+# view (runs, metric charts, artifacts); an experiment without a kind is taken for GenAI (traces, evaluation
+# runs). A kind a person set by hand is kept.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
+# MLflow 3.17's UI no longer picks the view from that tag: a "GenAI | Model training" switch kept in the
+# browser (default GenAI) decides, and this query in the address selects model training (read in its JS
+# bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
+UI_MODEL_TRAINING = "workflowType=machine_learning"
 PACKAGES = ("vlmexp", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed", "prefect",
             "mlflow")
 
@@ -143,7 +152,9 @@ class MlflowTracker(NullTracker):
             self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
             self.experiment_id = found.experiment_id if found else self.client.create_experiment(
-                experiment, artifact_location=artifact_location)
+                experiment, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            if found and EXPERIMENT_KIND_TAG not in found.tags:  # made before the tag existed: tag it once
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         except (MlflowException, OSError) as e:
             reason = (e.message if isinstance(e, MlflowException) else str(e)).splitlines()[0]
             raise ConnectionError(f"MLflow store {uri!r} cannot be used ({reason}); fix tracking.tracking_uri or "
@@ -233,6 +244,18 @@ class MlflowTracker(NullTracker):
         self.client.set_registered_model_alias(name, alias, version)
 
 
+def ui_address(host: str, port: int, uri: str = "", experiment: str = "") -> str:
+    """The MLflow UI's address that opens on model training: `experiment`'s runs when the store at `uri` holds
+    it, else the list of experiments."""
+    path = "/experiments"
+    if uri and experiment:
+        from mlflow.tracking import MlflowClient
+
+        found = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+        path += f"/{found.experiment_id}" if found else ""
+    return f"http://{host}:{port}/#{path}?{UI_MODEL_TRAINING}"
+
+
 def make_tracker(cfg: Config) -> NullTracker:
     """The configured tracker; raises ConnectionError (with the fix) when the MLflow store is unusable."""
     if cfg.tracking.backend == "none":
@@ -241,6 +264,20 @@ def make_tracker(cfg: Config) -> NullTracker:
     out.mkdir(parents=True, exist_ok=True)
     artifacts = cfg.tracking.artifact_location or (out / "mlartifacts").as_uri()
     return MlflowTracker(store_uri(cfg), cfg.tracking.experiment_name or cfg.run.name, artifacts)
+
+
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
+    """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
+    run_id = tracker.start_stage(parent_run_id, "eval")
+    for e in evaluations:
+        metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
+        tracker.log_metrics(run_id, metrics)
+        rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
+        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
+    tracker.log_table(run_id, table, "evaluation/comparison.json")
+    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.end(run_id)
 
 
 def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:

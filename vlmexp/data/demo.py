@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from vlmexp.files import new_folder
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
@@ -104,11 +104,7 @@ def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: i
     if train <= 0 or val <= 0:
         raise ValueError(f"train ({train}) and val ({val}) must be positive counts")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: choose a new folder or delete it first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with new_folder(out) as tmp:
         (tmp / "images").mkdir()
         rng = random.Random(seed)
         for split, count in (("train", train), ("val", val)):
@@ -127,10 +123,4 @@ def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: i
                 f"#   vlmexp sample {split}.yaml --out {split}.sampled.jsonl\n"
                 + yaml.safe_dump(data_yaml, sort_keys=False)
             )
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -103,7 +103,7 @@ class ImageStore:
         suffix = EXTENSIONS.get(fmt) or (Path(name).suffix.lower() if name else "") or ".img"
         target = self.folder / digest[:2] / f"{digest}{suffix}"
         if not target.is_file():
-            from vlmexp.data.sample import atomic_write  # here: sample imports this module
+            from vlmexp.files import atomic_write
 
             atomic_write(target, data)
             self.written.append(target)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from vlmexp.data.images import ImageStore, describe
 from vlmexp.data.sampling import parse_strategy, select_rows
 from vlmexp.data.sources import locate, open_table, sha256_file
 from vlmexp.errors import DataError, Problem
+from vlmexp.files import atomic_write
 
 MAX_PROBLEMS = 50
 IMAGES_DIR = "images"  # beside the sampled JSONL
@@ -223,19 +222,6 @@ def content_sha256(records: list[dict[str, Any]]) -> str:
         h.update(json.dumps({k: v for k, v in r.items() if k not in LOCATION_FIELDS}, sort_keys=True,
                             ensure_ascii=False).encode())
     return h.hexdigest()
-
-
-def atomic_write(path: Path, content: str | bytes) -> None:
-    """Write `content` (text as UTF-8) to a temporary file beside `path`, then rename: complete or absent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content.encode("utf-8") if isinstance(content, str) else content)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def format_report(result: SampleResult) -> str:

@@ -235,13 +235,12 @@ def read_records(path: str | Path) -> list[Row]:
 
 def load_data_yaml(path: str | Path) -> list[DataSource]:
     """The `datasets:` entries of a VLM-R1 data YAML; relative paths resolve against the YAML's folder."""
-    from vlmexp.config_loader import read_yaml_with_lines
-    from vlmexp.errors import ConfigError
+    from vlmexp.yaml_reader import YamlProblems, read_yaml_mapping
 
     p = Path(path)
     try:
-        raw, lines = read_yaml_with_lines(p, "a `datasets:` list of {json_path, sampling_strategy, ...}")
-    except ConfigError as e:
+        raw, lines = read_yaml_mapping(p, "a `datasets:` list of {json_path, sampling_strategy, ...}")
+    except YamlProblems as e:
         raise DataError(e.problems, title=f"invalid data YAML {p}") from None
     entries = raw.get("datasets") if isinstance(raw, dict) else None
     if not isinstance(entries, list) or not entries:

@@ -89,8 +89,8 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
     import torch
 
-    from vlmexp.data.sample import atomic_write
     from vlmexp.evaluate import generate
+    from vlmexp.files import atomic_write
     from vlmexp.modeling import load_for_inference
     from vlmexp.prompts import build_prompt, load_images, read_jsonl
     from vlmexp.rewards import build_reward

@@ -1,0 +1,34 @@
+"""Files and folders are written whole or not at all (vlmexp.files)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmexp.files import atomic_write, new_folder
+
+
+def test_atomic_write_replaces_whole_and_leaves_the_old_file_when_it_fails(tmp_path):
+    path = tmp_path / "sub" / "a.json"
+    assert atomic_write(path, "one\n") == path and path.read_text() == "one\n"
+    atomic_write(path, b"\x00two")
+    assert path.read_bytes() == b"\x00two"
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write(path, "\udcff")  # cannot be encoded: fails before anything is renamed
+    assert path.read_bytes() == b"\x00two" and sorted(p.name for p in path.parent.iterdir()) == ["a.json"]
+
+
+def test_new_folder_appears_complete_or_not_at_all(tmp_path):
+    with new_folder(tmp_path / "out") as tmp:
+        (tmp / "x.txt").write_text("x")
+        assert not (tmp_path / "out").exists()
+    assert (tmp_path / "out" / "x.txt").read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(RuntimeError, match="interrupted"), new_folder(tmp_path / "other") as tmp:
+        (tmp / "half.txt").write_text("half")
+        raise RuntimeError("interrupted")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no folder, no temporary left
+    with pytest.raises(FileExistsError, match="exists and is not empty"), new_folder(tmp_path / "out"):
+        pass
+    (tmp_path / "empty").mkdir()
+    with new_folder(tmp_path / "empty") as tmp:
+        (tmp / "y").write_text("y")
+    assert (tmp_path / "empty" / "y").is_file()

@@ -1,0 +1,119 @@
+"""What the pipeline's steps return: typed records of paths, keys, run ids and numbers (never models).
+
+Prefect pickles them into its result cache, a stage run on another work pool writes its result as
+<stage folder>/stage_result.json (`StageResult` / `Evaluation` as JSON), and `PipelineResult` is what the
+flow returns and the summary is built from (`vlmexp.summary`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from vlmexp.export import Promotion
+
+TRAINING_STAGES = ("sft", "dpo", "grpo")
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SampledData(Result):
+    """The run's sampled data and the config it was sampled for."""
+
+    resolved: str  # <output_dir>/config.resolved.yaml, committed once the data sampled cleanly
+    train: str  # sampled train.jsonl
+    val: str | None  # sampled val.jsonl; None when the config holds no records out
+    hash: str  # the data manifest's sha256: what the stage keys depend on
+    base_model: str  # the folder (or hub id) the first stage starts from
+
+
+class StageResult(Result):
+    """A finished training stage."""
+
+    stage: str
+    final: str  # <output_dir>/<stage>/final: the trained model or adapter
+    key: str  # the stage key it was trained for (vlmexp.pipeline.stage_key)
+    run_id: str  # its MLflow child run ("" with tracking off)
+    seconds: float
+    flow_run_id: str = ""  # the Prefect flow run that trained it (a later run that reads it from cache differs)
+
+    @property
+    def output(self) -> str:
+        return self.final
+
+
+class Evaluation(Result):
+    """One model evaluated on the held-out records."""
+
+    name: str  # candidate: base, sft, dpo or grpo
+    model: str
+    metrics: dict[str, int | float]  # as evaluation reports them (count is an int)
+    samples: str  # per-sample JSONL
+    key: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.samples
+
+
+class PipelineResult(Result):
+    """Everything one run of the pipeline produced; the flow's return value."""
+
+    name: str  # run.name
+    config: str  # the config path as given
+    data: SampledData
+    flow_run_id: str
+    mlflow_run_id: str  # the parent run ("" with tracking off)
+    stages: dict[str, StageResult | None] = {}  # in stage order; None: the stage is disabled
+    evaluations: list[Evaluation] = []
+    evaluation: list[dict[str, Any]] = []  # the comparison table, one row per model
+    export: str | None = None  # the exported folder
+    promotion: Promotion | None = None
+    summary: str = ""  # the markdown summary
+
+    @property
+    def trained(self) -> list[StageResult]:
+        return [s for s in self.stages.values() if s is not None]
+
+    @property
+    def model(self) -> str:
+        """The newest model: the last trained stage's, else the base model."""
+        return self.trained[-1].final if self.trained else self.data.base_model
+
+    @property
+    def upstream_key(self) -> str:
+        """The key of the last trained stage ("" before any): what the next stage's key depends on."""
+        return self.trained[-1].key if self.trained else ""
+
+    def start_model(self, stage: str) -> str | None:
+        """The model `stage` starts from; None: the base model (which the stage resolves from the config)."""
+        return None if stage == "sft" or not self.trained else self.model
+
+    def candidates(self) -> list[tuple[str, str, str]]:
+        """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's."""
+        return [("base", self.data.base_model, "")] + [(s.stage, s.final, s.key) for s in self.trained]
+
+    def metric(self, name: str) -> float | None:
+        """The newest model's evaluation metric `name` (None without evaluation)."""
+        last = self.candidates()[-1][0]
+        return next((e.metrics.get(name) for e in self.evaluations if e.name == last), None)
+
+    def provenance(self) -> dict[str, Any]:
+        """What an exported model's manifest records about how it was made."""
+        from vlmexp.tracking import git_commit
+
+        return {"stage_key": self.upstream_key, "data_manifest_sha256": self.data.hash, "git_commit": git_commit(),
+                "mlflow_parent_run_id": self.mlflow_run_id,
+                "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained}, "evaluation": self.evaluation}
+
+
+def comparison_table(evaluations: list[Evaluation]) -> list[dict[str, Any]]:
+    """One row per evaluated model: its name and its metrics (evaluate.METRIC_KEYS present), rounded to 4 places."""
+    from vlmexp.evaluate import METRIC_KEYS
+
+    return [{"model": e.name, **{k: round(e.metrics[k], 4) for k in METRIC_KEYS if k in e.metrics}}
+            for e in evaluations]
