@@ -35,7 +35,7 @@ def main() -> None:
         print(f"demo_seeds: {name} took {seconds[name]} s", flush=True)  # a run cut short keeps its laps
 
     from vlmexp.config_loader import load_config
-    from vlmexp.data.prepare import prepare_data
+    from vlmexp.data.splits import prepare_data
     from vlmexp.evaluate import evaluate
     from vlmexp.modeling import resolve_model
     from vlmexp.train.grpo import run_grpo

@@ -1,7 +1,7 @@
 """Thin Prefect tasks over library calls. They pass paths, keys and run ids, never models, and return the
 typed records of `vlmexp.results`.
 
-Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.stage_key`:
+Training, evaluation and export are cached by a key of what they depend on (`vlmexp.stage_runner.stage_key`:
 the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
 re-running the flow with the same config and data skips them; `force` recomputes.
 """
@@ -31,7 +31,7 @@ def _key(prefix: str):
 @task(name="validate-config", cache_policy=NO_CACHE)
 def validate_config(config: str, overrides: list[str]) -> str:
     """Check the config (all problems at once) and write the resolved copy (pending until the data is sampled)."""
-    from vlmexp.pipeline import resolve_config
+    from vlmexp.stage_runner import resolve_config
 
     _, pending = resolve_config(config, overrides)
     get_run_logger().info("config %s ok; resolved to %s", config, pending)
@@ -56,9 +56,9 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 def sample_data(pending: str) -> SampledData:
     """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
-    from vlmexp.data.prepare import prepare_data
+    from vlmexp.data.splits import prepare_data
     from vlmexp.modeling import resolve_model
-    from vlmexp.pipeline import commit_resolved, load_resolved
+    from vlmexp.stage_runner import commit_resolved, load_resolved
 
     cfg = load_resolved(pending)
     model_path, _ = resolve_model(cfg.model, cfg.run.output_dir)  # builds a tiny model once
@@ -72,7 +72,7 @@ def sample_data(pending: str) -> SampledData:
 @task(name="start-tracking", cache_policy=NO_CACHE)
 def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
-    from vlmexp.pipeline import load_resolved
+    from vlmexp.stage_runner import load_resolved
     from vlmexp.tracking import flatten, make_tracker, redacted_yaml, run_tags
 
     cfg = load_resolved(resolved)
@@ -90,7 +90,7 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
     """When `pipeline.stage_deployments` names a deployment for `stage`: run the `vlm-stage` flow there as a
     subflow of this task, wait, and return its result (a run that did not complete raises its error, so
     this task's retry starts it again). Otherwise None: the caller runs the stage in this process."""
-    from vlmexp.pipeline import load_resolved, remote_result
+    from vlmexp.stage_runner import load_resolved, remote_result
 
     name = load_resolved(resolved).pipeline.stage_deployments.get(stage)
     if not name:
@@ -110,7 +110,7 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
     """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
     on the stage's deployment (`pipeline.stage_deployments`). A retry (same key) resumes from the newest
     checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run."""
-    from vlmexp.pipeline import load_resolved, run_training_stage
+    from vlmexp.stage_runner import load_resolved, run_training_stage
 
     folder = Path(load_resolved(resolved).run.output_dir) / stage
     result = _on_deployment(stage, resolved, folder, key, {"model": model, "parent_run_id": parent_run_id,
@@ -124,7 +124,7 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
 def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> Evaluation:
     """Generate on the held-out records with `model` and score with the training rewards (here, or on the
     `eval` deployment)."""
-    from vlmexp.pipeline import load_resolved, run_evaluation
+    from vlmexp.stage_runner import load_resolved, run_evaluation
 
     folder = Path(load_resolved(resolved).run.output_dir) / "eval" / name
     result = _on_deployment("eval", resolved, folder, key, {"name": name, "model": model, "records": records},
@@ -141,8 +141,8 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
-    from vlmexp.pipeline import load_resolved
     from vlmexp.results import comparison_table
+    from vlmexp.stage_runner import load_resolved
     from vlmexp.tracking import log_evaluation_run, make_tracker
 
     cfg = load_resolved(resolved)
@@ -162,7 +162,7 @@ def _artifact_key(name: str) -> str:
 def export_model(resolved: str, key: str, model: str, parent_run_id: str, provenance: dict[str, Any]) -> str:
     """Merge (if LoRA), save a self-contained folder with manifest.json, and log it to the parent run."""
     from vlmexp.export import export_model as export
-    from vlmexp.pipeline import load_resolved
+    from vlmexp.stage_runner import load_resolved
     from vlmexp.tracking import make_tracker
 
     cfg = load_resolved(resolved)
@@ -175,7 +175,7 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
     """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
     from vlmexp.export import register_and_promote
-    from vlmexp.pipeline import load_resolved
+    from vlmexp.stage_runner import load_resolved
     from vlmexp.tracking import make_tracker
 
     cfg = load_resolved(resolved)
@@ -192,7 +192,7 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     """The run's markdown summary as a Prefect artifact and an MLflow artifact; tags and closes the parent run."""
     from prefect.artifacts import create_markdown_artifact
 
-    from vlmexp.pipeline import load_resolved
+    from vlmexp.stage_runner import load_resolved
     from vlmexp.summary import render_summary, summary_tags
     from vlmexp.tracking import make_tracker
 

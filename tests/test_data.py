@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import make_png, write_json, write_jsonl
+
 from vlmexp.config import DataSource
-from vlmexp.data.sample import sample_sources
+from vlmexp.data.mixture import sample_sources
 from vlmexp.data.sources import load_data_yaml
 from vlmexp.errors import DataError
 
@@ -213,7 +213,7 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
 
     from vlmexp.config_loader import load_config
     from vlmexp.data.demo import COLORS
-    from vlmexp.data.prepare import prepare_data
+    from vlmexp.data.splits import prepare_data
     from vlmexp.errors import ConfigError
 
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=6",

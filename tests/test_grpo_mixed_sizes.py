@@ -27,7 +27,7 @@ def _cfg(out, *overrides):
 
 
 def _records(cfg):
-    from vlmexp.data.prepare import prepare_data
+    from vlmexp.data.splits import prepare_data
     from vlmexp.prompts import read_jsonl
 
     return {r["source_row"]: r for r in read_jsonl(prepare_data(cfg).train)}

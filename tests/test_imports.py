@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "vlmexp"
-# vlmexp/models.py and vlmexp/paths.py check each other's paths; issue 17 part 3 moves model loading into
+# vlmexp/models.py and vlmexp/path_checks.py check each other's paths; issue 17 part 3 moves model loading into
 # one module, after which this entry goes.
-KNOWN = {frozenset({"vlmexp.paths", "vlmexp.models"})}
+KNOWN = {frozenset({"vlmexp.path_checks", "vlmexp.models"})}
 
 
 def _graph() -> dict[str, set[str]]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from vlmexp.config_loader import load_config
-from vlmexp.pipeline import (
+from vlmexp.results import StageResult
+from vlmexp.stage_runner import (
     StageFailed,
     claim_stage_dir,
     read_key,
@@ -20,7 +21,6 @@ from vlmexp.pipeline import (
     stage_key,
     write_result,
 )
-from vlmexp.results import StageResult
 from vlmexp.tracking import NullTracker, flatten, make_tracker, sanitize_metric_name, ui_address
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,16 @@ import pytest
 
 from vlmexp.processor import PixelBudget
 from vlmexp.rewards import (
-    ExactReward, FormatReward, IoUReward, MathReward, RewardError, build_reward, check_reward_name,
-    completion_text, extract_answer, guarded,
+    ExactReward,
+    FormatReward,
+    IoUReward,
+    MathReward,
+    RewardError,
+    build_reward,
+    check_reward_name,
+    completion_text,
+    extract_answer,
+    guarded,
 )
 
 BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmexp.data.sampling import Strategy, parse_strategy, select_rows
+from vlmexp.data.strategies import Strategy, parse_strategy, select_rows
 
 
 @pytest.mark.parametrize("text, expected", [

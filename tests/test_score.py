@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_png, write_jsonl
+
 from vlmexp.coords import giou
 from vlmexp.errors import DataError
 from vlmexp.evaluate import score_predictions

@@ -31,7 +31,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from vlmexp.paths import check_output_dir
+    from vlmexp.path_checks import check_output_dir
     from vlmexp.tiny import make_tiny_model
 
     check_arguments("make-tiny-model", ("DIR", args.dir, check_output_dir(args.dir)))
@@ -42,7 +42,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
     from vlmexp.data.demo import Scenes, make_demo_data
-    from vlmexp.paths import check_output_dir
+    from vlmexp.path_checks import check_output_dir
 
     counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
               for k in ("train", "val")]
@@ -58,9 +58,9 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from vlmexp.data.sample import format_report, sample_sources
+    from vlmexp.data.mixture import format_report, sample_sources
     from vlmexp.data.sources import load_data_yaml
-    from vlmexp.paths import check_output_file
+    from vlmexp.path_checks import check_output_file
 
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
@@ -99,9 +99,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from vlmexp.config_loader import load_config
-    from vlmexp.data.prepare import prepare_data
+    from vlmexp.data.splits import prepare_data
     from vlmexp.evaluate import check_sampled_records, evaluate
-    from vlmexp.paths import check_checkpoint, check_output_dir
+    from vlmexp.path_checks import check_checkpoint, check_output_dir
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     check_arguments("eval", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
@@ -122,9 +122,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
     import json
 
-    from vlmexp.files import atomic_write
     from vlmexp.evaluate import score_predictions
-    from vlmexp.paths import check_output_file
+    from vlmexp.files import atomic_write
+    from vlmexp.path_checks import check_output_file
 
     pixels = [(f"--{k.replace('_', '-')}", getattr(args, k), "must be a positive number of pixels")
               for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None and getattr(args, k) <= 0]
@@ -146,7 +146,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import dump_config, load_config
     from vlmexp.export import export_model
-    from vlmexp.paths import check_checkpoint, check_output_dir
+    from vlmexp.path_checks import check_checkpoint, check_output_dir
     from vlmexp.tracking import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
@@ -188,7 +188,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import load_config
     from vlmexp.launch import is_launched_process, stage_command
-    from vlmexp.paths import check_checkpoint
+    from vlmexp.path_checks import check_checkpoint
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
     if args.model and not args.dry_run:

@@ -12,7 +12,15 @@ import re
 import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from vlmexp.data.demo import Scenes
 from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
@@ -163,7 +171,7 @@ class DataSource(Section):
     @field_validator("sampling_strategy")
     @classmethod
     def _strategy(cls, v: str) -> str:
-        from vlmexp.data.sampling import parse_strategy
+        from vlmexp.data.strategies import parse_strategy
 
         parse_strategy(v)  # raises ValueError with the fix
         return v

@@ -63,7 +63,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
                 if loc not in non_finite:
                     problems.append(Problem(where(loc), _dotted(loc), message, value))
     if cfg is not None and check_paths:
-        from vlmexp.paths import check_config_paths
+        from vlmexp.path_checks import check_config_paths
 
         problems += [Problem(where(loc), _dotted(loc), msg, value) for loc, value, msg in check_config_paths(cfg)]
     if problems:

@@ -34,7 +34,7 @@ def check_model_path(path: str) -> str | None:
     """None when `path` is a tiny spec, a hub id, or a local model folder; otherwise the problem and fix."""
     if path.startswith(TINY_PREFIX) or is_hub_id(path):
         return None
-    from vlmexp.paths import check_checkpoint
+    from vlmexp.path_checks import check_checkpoint
 
     p = Path(path).expanduser()
     if not p.exists():

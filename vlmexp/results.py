@@ -35,7 +35,7 @@ class StageResult(Result):
 
     stage: str
     final: str  # <output_dir>/<stage>/final: the trained model or adapter
-    key: str  # the stage key it was trained for (vlmexp.pipeline.stage_key)
+    key: str  # the stage key it was trained for (vlmexp.stage_runner.stage_key)
     run_id: str  # its MLflow child run ("" with tracking off)
     seconds: float
     flow_run_id: str = ""  # the Prefect flow run that trained it (a later run that reads it from cache differs)

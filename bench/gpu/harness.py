@@ -27,6 +27,7 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 from runners import run_case, summarise  # noqa: E402 - beside this file
+
 PACKAGES = ("torch", "torchvision", "transformers", "trl", "peft", "accelerate", "datasets", "tokenizers",
             "pydantic", "deepspeed", "mlflow", "prefect", "flash-attn", "vllm")
 LORA = ["{stage}.peft={{method: lora, r: 64, alpha: 128, dropout: 0.0}}"]

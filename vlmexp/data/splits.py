@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmexp.config import Config, DataSource
-from vlmexp.data.sample import SampleResult, content_sha256, sample_sources
+from vlmexp.data.mixture import SampleResult, content_sha256, sample_sources
 from vlmexp.data.sources import glob_paths, load_data_yaml, locate, resolve_relative, sha256_file
 from vlmexp.files import atomic_write
 

@@ -1,6 +1,6 @@
 """Sample a mixture of sources into one JSONL file plus a manifest, validating every kept record.
 
-Rows are selected first (vlmexp.data.sampling), then only the kept rows are read and checked: fields,
+Rows are selected first (vlmexp.data.strategies), then only the kept rows are read and checked: fields,
 images (exist, readable, sane size; embedded ones written once under `images/` beside the output file),
 boxes (finite, x1 < x2, y1 < y2, inside the image). All problems are reported at once; on any problem
 nothing is written (images written by this call are removed again). Output is written to a temporary file
@@ -23,8 +23,8 @@ from typing import Any
 from vlmexp.config import DataSource
 from vlmexp.data.formats import FORMATS, detect_format, parse_record
 from vlmexp.data.images import ImageStore, describe
-from vlmexp.data.sampling import parse_strategy, select_rows
 from vlmexp.data.sources import locate, open_table, sha256_file
+from vlmexp.data.strategies import parse_strategy, select_rows
 from vlmexp.errors import DataError, Problem
 from vlmexp.files import atomic_write
 
