@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,11 @@ def _cfg(tmp_path, *overrides):
                                                     "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, *overrides])
 
 
+def _deprecations(caught: list) -> list[str]:
+    """transformers 5's "... is deprecated and will be removed in v6" warnings among `caught`."""
+    return [str(w.message) for w in caught if "will be removed in v6" in str(w.message)]
+
+
 def _log_history(stage_dir: Path) -> list[dict]:
     [ckpt] = sorted(stage_dir.glob("checkpoint-*"))
     return json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
@@ -38,7 +44,10 @@ def test_sft_loss_falls_and_parameters_change(tmp_path):
 
     cfg = _cfg(tmp_path, "sft.args.max_steps=30", "sft.args.save_steps=30", "sft.args.logging_steps=5",
                "sft.args.per_device_train_batch_size=4")
-    final = run_sft(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = run_sft(cfg)
+    assert not _deprecations(caught)
     [base] = (tmp_path / "models").glob("tiny-*")
     before, after = _weights(base), _weights(final)
     changed = [k for k in before if not (before[k] == after[k]).all()]
@@ -72,7 +81,10 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
                "grpo.args.max_completion_length=12", "grpo.args.temperature=1.5",
                "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}, "
                "{name: 'rewards_for_tests:sometimes_broken'}]")
-    final = run_grpo(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = run_grpo(cfg)
+    assert not _deprecations(caught)  # no FutureWarning per step (activation checkpointing is on by default)
     [base] = (tmp_path / "models").glob("tiny-*")
     before, after = _weights(base), _weights(final)
     assert any(not (before[k] == after[k]).all() for k in before), "GRPO changed no parameter"

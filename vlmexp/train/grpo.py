@@ -23,8 +23,6 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
                        mlflow_run_id: str | None = None):
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
-    import warnings
-
     from vlmexp.rewards import build_reward
     from vlmexp.train.callbacks import CompletionTable
     from vlmexp.train.data import build_dataset
@@ -38,11 +36,6 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     model, peft_config = load_for_training(inputs)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
-    # TRL 1.16 switches activation checkpointing off and on around each generation through the model methods
-    # transformers 5 renamed (trl.models.utils.disable_gradient_checkpointing): three FutureWarnings per
-    # generation batch, from TRL's code, not ours; exactly those are silenced
-    warnings.filterwarnings("ignore", message=r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` "
-                                              "is deprecated", category=FutureWarning)
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,

@@ -131,7 +131,15 @@ def close_stage_run(run: StageRun | None, finished: bool) -> None:
 
 def trl_args(inputs: StageInputs, **stage_args: Any):
     """The stage's TRL config: the user's args plus what the pipeline owns (output, seed, tracking, DeepSpeed)."""
+    import warnings
+
     from vlmexp.trl_args import build_trl_config
+
+    # TRL 1.16 switches activation checkpointing off and on (around each GRPO generation, DPO's reference
+    # pass) through the model methods transformers 5 renamed (trl.models.utils.disable_gradient_checkpointing):
+    # three FutureWarnings each time, from TRL's code, not ours; exactly those are silenced
+    warnings.filterwarnings("ignore", message=r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` "
+                                              "is deprecated", category=FutureWarning)
 
     cfg = inputs.cfg
     pipeline = dict(seed=cfg.run.seed, run_name=f"{cfg.run.name}-{inputs.stage}",
