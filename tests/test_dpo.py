@@ -132,7 +132,7 @@ def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path)
     metrics = runs["demo-dpo"].data.metrics
     assert metrics["pairs/prompts"] == 32 and metrics["pairs/pairs"] + metrics["pairs/prompts_without_pair"] == 32
     assert {"pairs/pairs.jsonl", "pairs/pairs.json", "plots/curves.png"} <= set(_artifacts(client, run_id))
-    assert [row["model"] for row in result["evaluation"]] == ["base", "sft", "dpo"]
+    assert [row["model"] for row in result.evaluation] == ["base", "sft", "dpo"]
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["evaluation"][-1]["model"] == "dpo" and "dpo" in manifest["mlflow_stage_run_ids"]
-    assert result["model"].endswith("dpo/final")
+    assert result.model.endswith("dpo/final")
