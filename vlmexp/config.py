@@ -371,6 +371,10 @@ class EvalConfig(Section):
                                                               "default: all.")
 
 
+# The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
+METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
+
+
 class ExportConfig(Section):
     """Export of the last trained model and its registration in the MLflow Model Registry."""
 
@@ -387,8 +391,6 @@ class ExportConfig(Section):
     @field_validator("metric")
     @classmethod
     def _evaluated(cls, v: str) -> str:
-        from vlmexp.evaluate import METRIC_KEYS
-
         if v not in METRIC_KEYS:
             raise ValueError(f"evaluation produces no metric {v!r}; use one of {', '.join(METRIC_KEYS)}")
         return v

@@ -18,7 +18,6 @@ from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import short
 
 log = logging.getLogger("vlmexp.eval")
-METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
 
 
 SCORERS = ("format", "iou", "math", "exact")  # the rewards the metrics come from: format_rate, rec_*, *_accuracy

@@ -9,39 +9,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmexp.config import Config, ModelConfig, StageConfig
 from vlmexp.errors import ConfigError, Problem
 from vlmexp.families import TINY_PREFIX, Family, detect_family, get_family
+from vlmexp.path_checks import is_hub_id
 
 if TYPE_CHECKING:
     from vlmexp.train.stage import StageInputs
 
 log = logging.getLogger("vlmexp.model")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-
-
-def is_hub_id(path: str) -> bool:
-    """'org/name' that is not a local path (no ./, ../, /, ~ prefix and not on disk)."""
-    return bool(_HUB_ID.fullmatch(path)) and not Path(path).exists() and not path.startswith((".", "~"))
-
-
-def check_model_path(path: str) -> str | None:
-    """None when `path` is a tiny spec, a hub id, or a local model folder; otherwise the problem and fix."""
-    if path.startswith(TINY_PREFIX) or is_hub_id(path):
-        return None
-    from vlmexp.path_checks import check_checkpoint
-
-    p = Path(path).expanduser()
-    if not p.exists():
-        return "no such folder, and not a hub id (org/name); fix model.path or use tiny:qwen2_5_vl"
-    if not (p / "config.json").is_file():
-        return f"{p} has no config.json: point model.path at a Hugging Face model folder"
-    return check_checkpoint(p)
 
 
 def tiny_spec(cfg: ModelConfig):

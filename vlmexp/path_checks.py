@@ -5,14 +5,16 @@ before any work starts."""
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config, DataSource
 from vlmexp.errors import DataError, short
-from vlmexp.modeling import check_model_path
+from vlmexp.families import TINY_PREFIX
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 Found = tuple[tuple[str | int, ...], Any, str]  # (location in the config, value, message)
 
 
@@ -141,3 +143,20 @@ def check_checkpoint(path: str | Path) -> str | None:
         return msg or (f"{p}/config.json: model_type {short(model_type)} is not a supported family; supported: "
                        f"{', '.join(sorted(FAMILIES))}")
     return None
+
+
+def is_hub_id(path: str) -> bool:
+    """'org/name' that is not a local path (no ./, ../, /, ~ prefix and not on disk)."""
+    return bool(_HUB_ID.fullmatch(path)) and not Path(path).exists() and not path.startswith((".", "~"))
+
+
+def check_model_path(path: str) -> str | None:
+    """None when `path` is a tiny spec, a hub id, or a local model folder; otherwise the problem and fix."""
+    if path.startswith(TINY_PREFIX) or is_hub_id(path):
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        return "no such folder, and not a hub id (org/name); fix model.path or use tiny:qwen2_5_vl"
+    if not (p / "config.json").is_file():
+        return f"{p} has no config.json: point model.path at a Hugging Face model folder"
+    return check_checkpoint(p)

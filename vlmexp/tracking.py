@@ -2,21 +2,25 @@
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
 in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
-and makes it its active run in the config's store (vlmexp.train.stage.open_stage_run), where
+and makes it its active run in the config's store (`open_stage_run`), where
 transformers' MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
+
+log = logging.getLogger("vlmexp.tracking")
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # The experiment's kind, as MLflow's UI reads it from this tag: "finetuning" is one of the kinds its JS bundle
@@ -264,6 +268,53 @@ def make_tracker(cfg: Config) -> NullTracker:
     out.mkdir(parents=True, exist_ok=True)
     artifacts = cfg.tracking.artifact_location or (out / "mlartifacts").as_uri()
     return MlflowTracker(store_uri(cfg), cfg.tracking.experiment_name or cfg.run.name, artifacts)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """The MLflow run a stage process logs into (only the process of global rank 0 has one)."""
+
+    uri: str
+    run_id: str
+
+
+def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | None:
+    """Make `run_id` (else a new run in the config's experiment) this process's active MLflow run, in the
+    store the config names; transformers' MLflowCallback then logs the Trainer's metrics into it and leaves
+    it open (`close_stage_run` ends it). None with `tracking.backend: none` (mlflow is not imported)."""
+    if cfg.tracking.backend == "none":
+        return None
+    import mlflow
+
+    tracker = make_tracker(cfg)  # the configured store and experiment, created with its artifact location
+    if not run_id:  # a stage run by hand: a run of its own
+        run_id = tracker.start_pipeline(f"{cfg.run.name}-{stage}", {}, run_tags({"stage": stage}))
+    # MLflowCallback reads these settings from this process's environment only: the model config's nested
+    # dicts become one param per key. Asynchronous logging: TRL logs its profiling timings with a bare
+    # mlflow.log_metrics on every profiled call (43 ms each against a sqlite store, measured:
+    # bench/RESULTS.md); queued they cost the step ~1 ms, and a store that goes away mid-run loses
+    # metrics (logged as errors) instead of stopping training.
+    os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
+    mlflow.config.enable_async_logging(True)
+    mlflow.set_tracking_uri(tracker.uri)
+    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
+    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
+    return StageRun(tracker.uri, run_id)
+
+
+def close_stage_run(run: StageRun | None, finished: bool) -> None:
+    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
+    failure is logged and the model is saved (the pipeline closes the run itself)."""
+    if run is None:
+        return
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.end_run("FINISHED" if finished else "FAILED")
+    except (MlflowException, OSError) as e:
+        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
+                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
 
 
 def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from vlmexp.train.stage import StageInputs, close_stage_run
+from vlmexp.tracking import close_stage_run
+
+if TYPE_CHECKING:
+    from vlmexp.train.stage import StageInputs
 
 log = logging.getLogger("vlmexp.train")
 

@@ -17,16 +17,9 @@ from typing import Any
 
 from vlmexp.config import Config, StageConfig
 from vlmexp.families import Family
+from vlmexp.tracking import StageRun, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
-
-
-@dataclass(frozen=True)
-class StageRun:
-    """The MLflow run a stage process logs into (only the process of global rank 0 has one)."""
-
-    uri: str
-    run_id: str
 
 
 @dataclass
@@ -84,49 +77,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, pixel_budget(processor), train_path,
                        resume_from, run)
-
-
-def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | None:
-    """Make `run_id` (else a new run in the config's experiment) this process's active MLflow run, in the
-    store the config names; transformers' MLflowCallback then logs the Trainer's metrics into it and leaves
-    it open (`close_stage_run` ends it). None with `tracking.backend: none` (mlflow is not imported)."""
-    if cfg.tracking.backend == "none":
-        return None
-    import os
-
-    import mlflow
-
-    from vlmexp.tracking import make_tracker, run_tags
-
-    tracker = make_tracker(cfg)  # the configured store and experiment, created with its artifact location
-    if not run_id:  # a stage run by hand: a run of its own
-        run_id = tracker.start_pipeline(f"{cfg.run.name}-{stage}", {}, run_tags({"stage": stage}))
-    # MLflowCallback reads these settings from this process's environment only: the model config's nested
-    # dicts become one param per key. Asynchronous logging: TRL logs its profiling timings with a bare
-    # mlflow.log_metrics on every profiled call (43 ms each against a sqlite store, measured:
-    # bench/RESULTS.md); queued they cost the step ~1 ms, and a store that goes away mid-run loses
-    # metrics (logged as errors) instead of stopping training.
-    os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
-    mlflow.config.enable_async_logging(True)
-    mlflow.set_tracking_uri(tracker.uri)
-    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
-    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
-    return StageRun(tracker.uri, run_id)
-
-
-def close_stage_run(run: StageRun | None, finished: bool) -> None:
-    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
-    failure is logged and the model is saved (the pipeline closes the run itself)."""
-    if run is None:
-        return
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow.end_run("FINISHED" if finished else "FAILED")
-    except (MlflowException, OSError) as e:
-        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
-                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
 
 
 def trl_args(inputs: StageInputs, **stage_args: Any):
