@@ -32,3 +32,15 @@ def test_new_folder_appears_complete_or_not_at_all(tmp_path):
     with new_folder(tmp_path / "empty") as tmp:
         (tmp / "y").write_text("y")
     assert (tmp_path / "empty" / "y").is_file()
+
+
+def test_new_folder_replace_swaps_the_old_folder_only_when_the_new_one_is_complete(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="interrupted"), new_folder(tmp_path / "out", replace=True) as tmp:
+        (tmp / "new.txt").write_text("half")
+        raise RuntimeError("interrupted")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    with new_folder(tmp_path / "out", replace=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
