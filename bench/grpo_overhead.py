@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-# the demo's GRPO step (configs/demo.yaml): 8 prompts x G 8 per optimizer step, 48 new tokens
+# the GRPO step its recorded results measured: 8 prompts x G 8 per optimizer step as 8 micro-batches of one
+# prompt, 48 new tokens (the demo's step until 2026-11-23; configs/demo.yaml now takes the 64 in one micro-batch)
 ARGS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8, "num_generations": 8,
         "max_completion_length": 48, "temperature": 0.7, "learning_rate": 1e-4, "warmup_steps": 15, "beta": 0.0,
         "logging_steps": 1, "save_strategy": "no", "report_to": [], "seed": 42}

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# configs/demo.yaml batches 32 SFT records and 8 GRPO prompts per step for its 8-minute run; tests that
-# train a few steps from it take one prompt (and 8 records) per step
-SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.gradient_accumulation_steps=1"]
+# configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
+# tests that train a few steps from it take one prompt (and 8 records) per step
+SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.per_device_train_batch_size=8",
+                 "grpo.args.gradient_accumulation_steps=1"]
 
 
 @pytest.fixture(scope="session")
