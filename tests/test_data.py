@@ -235,3 +235,40 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/demo.yaml", ["data.demo.width=[300,200]"])
     assert "data.demo" in str(err.value) and "[300, 200]" in str(err.value)
+
+
+def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
+    """SFT imitates the annotator's box; the exact box stays the solution the reward and evaluation score."""
+    from vlmexp.config_loader import load_config
+    from vlmexp.coords import iou
+    from vlmexp.data.demo import Annotator, make_demo_data
+    from vlmexp.data.splits import prepare_data
+    from vlmexp.families import get_family
+    from PIL import Image
+
+    from vlmexp.processor import PixelBudget
+    from vlmexp.prompts import target_text
+
+    exact = make_demo_data(tmp_path / "exact", train=40, val=8, seed=3)
+    loose = make_demo_data(tmp_path / "loose", train=40, val=8, seed=3, annotator=Annotator(jitter=0.05, loose=0.25))
+    plain, noisy = (json.loads((d / "train.json").read_text()) for d in (exact, loose))
+    assert [r["solution"] for r in plain] == [r["solution"] for r in noisy]  # same images, same exact boxes
+    assert (exact / "images/train_00007.png").read_bytes() == (loose / "images/train_00007.png").read_bytes()
+    assert all("demonstration" not in r for r in plain)
+    assert (loose / "val.json").read_text() == (exact / "val.json").read_text()  # held-out boxes stay exact
+    for r in noisy:
+        (x1, y1, x2, y2), (a1, b1, a2, b2) = r["demonstration"], r["solution"]
+        assert x1 <= a1 and y1 <= b1 and x2 >= a2 and y2 >= b2  # 0.25 outward beats 0.05 of jitter
+        width, height = Image.open(loose / r["image"]).size
+        assert min(x1, y1) >= 0 and x2 <= width and y2 <= height
+    mean = sum(iou(r["demonstration"], r["solution"]) for r in noisy) / len(noisy)
+    assert 0.35 < mean < 0.6, mean
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'run'}", "data.demo.train=6",
+                                                   "data.demo.val=2"])
+    record = json.loads(prepare_data(cfg).train.read_text().splitlines()[0])
+    budget = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=102400)
+    text = target_text(record, get_family("qwen2_5_vl"), budget)  # 112 x 112 stays 112 x 112: the frame is pixels
+    assert record["demonstration"] != record["solution"] and text.endswith(f"<answer>{record['demonstration']}</answer>")
+    with pytest.raises(ValueError, match="annotator jitter and loose"):
+        Annotator(jitter=1.5)

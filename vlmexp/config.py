@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from vlmexp.data.demo import Scenes
+from vlmexp.data.demo import Annotator, Scenes
 from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact"]
@@ -190,11 +190,20 @@ class DemoDataConfig(Section):
     background: Literal["plain", "gradient"] = Field(
         Scenes.background, description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
         "has no absolute position embedding, can see where a shape is.")
+    annotator_jitter: float = Field(
+        0.0, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge by a uniform "
+        "draw in [-j, +j] x the box's side; the reward and evaluation score against the exact box. 0: exact.")
+    annotator_loose: float = Field(
+        0.0, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
+        "side (a loose annotator). 0: tight.")
 
     @model_validator(mode="after")
     def _scenes(self) -> DemoDataConfig:
         self.scenes()  # raises ValueError with the ranges that cannot work
         return self
+
+    def annotator(self) -> Annotator:
+        return Annotator(self.annotator_jitter, self.annotator_loose)
 
     def scenes(self) -> Scenes:
         return Scenes(tuple(self.width), tuple(self.height), tuple(self.objects), self.background)
@@ -203,7 +212,8 @@ class DemoDataConfig(Section):
         """Where under run.output_dir this dataset is generated; any setting that changes it changes the name."""
         import hashlib
 
-        scenes = hashlib.sha256(repr(self.scenes()).encode()).hexdigest()[:8]
+        made = self.scenes() if self.annotator() == Annotator() else (self.scenes(), self.annotator())
+        scenes = hashlib.sha256(repr(made).encode()).hexdigest()[:8]
         return f"demo_data-{self.train}-{self.val}-{self.seed}-{scenes}"
 
 

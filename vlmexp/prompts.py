@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import FRAME_HINTS, DataConfig
-from vlmexp.coords import format_box, to_frame
+from vlmexp.coords import format_box, parse_box, to_frame
 from vlmexp.data.formats import parse_record
 from vlmexp.families import Family
 
@@ -26,11 +26,19 @@ def build_prompt(record: dict[str, Any], data: DataConfig, family: Family) -> li
 
 
 def target_text(record: dict[str, Any], family: Family, budget) -> str:
-    """The SFT answer: reasoning stub + the solution, boxes in the family's frame."""
+    """The SFT answer: reasoning stub + the solution, boxes in the family's frame.
+
+    A rec record's `demonstration` box, where present, is what SFT imitates (an annotator's box); the reward
+    and evaluation still score against its `solution`.
+    """
     example = parse_record(record, record["record_format"], record["task"])
     if example.task == "rec":
         width, height = record["image_sizes"][0]
-        box = to_frame(example.solution, width, height, family.box_frame, budget)
+        shown = parse_box(record["demonstration"]) if record.get("demonstration") is not None else example.solution
+        if shown is None:
+            raise ValueError(f"demonstration {record['demonstration']!r} holds no box; write [x1, y1, x2, y2] in "
+                             "original pixels or drop the field")
+        box = to_frame(shown, width, height, family.box_frame, budget)
         return f"<think>{example.problem} is here.</think><answer>{format_box(box)}</answer>"
     return f"<think>Solve it.</think><answer>{example.solution}</answer>"
 

@@ -95,10 +95,38 @@ def make_image(rng: random.Random, scenes: Scenes = Scenes()):
     return image, objects
 
 
+@dataclass(frozen=True)
+class Annotator:
+    """How the demonstrations of the training split deviate from the exact boxes, as a share of the box's side.
+
+    Each edge moves outward by `loose` and then by a uniform draw in [-jitter, +jitter]: a quick human
+    annotator's box. SFT imitates these boxes; the reward and evaluation score against the exact `solution`.
+    """
+
+    jitter: float = 0.0
+    loose: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.jitter <= 1 and 0 <= self.loose <= 1):
+            raise ValueError(f"annotator jitter and loose are shares of a box's side in [0, 1], got "
+                             f"jitter {self.jitter}, loose {self.loose}")
+
+    def draw(self, rng: random.Random, box: list[int], w: int, h: int) -> list[int]:
+        """The annotator's box for the exact `box` in a `w` x `h` image (pixels, inside the image)."""
+        side = max(box[2] - box[0], box[3] - box[1])
+        out = [self.loose + rng.uniform(-self.jitter, self.jitter) for _ in range(4)]  # outward, per edge
+        x1 = min(max(round(box[0] - out[0] * side), 0), w - 2)
+        y1 = min(max(round(box[1] - out[1] * side), 0), h - 2)
+        x2 = min(max(round(box[2] + out[2] * side), x1 + 1), w)
+        y2 = min(max(round(box[3] + out[3] * side), y1 + 1), h)
+        return [x1, y1, x2, y2]
+
+
 def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: int = 0,
-                   scenes: Scenes = Scenes()) -> Path:
+                   scenes: Scenes = Scenes(), annotator: Annotator = Annotator()) -> Path:
     """Write images/, train.json, val.json, train.yaml and val.yaml under `out_dir`; return it.
 
+    With a noisy `annotator`, each training record also carries `demonstration`: the box SFT trains on.
     Written to a temporary sibling and renamed, so `out_dir` is complete or absent.
     """
     if train <= 0 or val <= 0:
@@ -107,6 +135,7 @@ def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: i
     with new_folder(out) as tmp:
         (tmp / "images").mkdir()
         rng = random.Random(seed)
+        noise = random.Random(f"annotator-{seed}")  # its own stream: the images do not change with the annotator
         for split, count in (("train", train), ("val", val)):
             records = []
             for i in range(count):
@@ -114,7 +143,10 @@ def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: i
                 name = f"images/{split}_{i:05d}.png"
                 image.save(tmp / name)
                 caption, box = rng.choice(objects)
-                records.append({"image": name, "problem": caption, "solution": box, "normal_caption": caption})
+                record = {"image": name, "problem": caption, "solution": box, "normal_caption": caption}
+                if split == "train" and annotator != Annotator():
+                    record["demonstration"] = annotator.draw(noise, box, *image.size)
+                records.append(record)
             (tmp / f"{split}.json").write_text(json.dumps(records, indent=1) + "\n")
             data_yaml = {"datasets": [{"json_path": f"{split}.json", "sampling_strategy": "all",
                                        "image_root": ".", "task": "rec"}]}

@@ -30,7 +30,7 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
 
         folder = Path(cfg.run.output_dir) / d.demo.folder_name()
         if not (folder / "train.yaml").is_file():
-            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, d.demo.scenes())
+            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, d.demo.scenes(), d.demo.annotator())
         train = load_data_yaml(folder / "train.yaml")
         default_val = load_data_yaml(folder / "val.yaml")
     else:
