@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,13 +146,33 @@ def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
     assert 0 < result["guard_s_per_step"]["median"] < result["step_time_s"]["median"]
 
 
-def test_demo_seeds_bench_reports_each_model_and_phase(tmp_path):
-    out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "bench/demo_seeds.py", "configs/demo_mixed.yaml", "data.demo.train=16",
-                        "data.demo.val=4", "sft.args.max_steps=2", "sft.args.per_device_train_batch_size=8",
-                        "grpo.args.max_steps=1", "grpo.args.max_completion_length=4", "--out", str(out)],
-                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert set(result["rec_mean_iou"]) == {"base", "sft", "grpo"}
-    assert list(result["seconds"]) == ["start-up (imports, data, tiny model)", "sft", "grpo", "evaluation (3 models)"]
+def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp_path):
+    """One cell: SFT, GRPO and DPO from the same SFT model, under an arithmetic set by environment, in its own
+    process; the JSON says what the process computed with; --table writes between the README's markers."""
+    out = tmp_path / "cells"
+    r = subprocess.run([sys.executable, "bench/demo_matrix.py", "--seeds", "3", "--arithmetic", "default",
+                        "--threads", "1", "--dpo", "configs/demo_dpo.yaml", "--out-dir", str(out),
+                        "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=2",
+                        "sft.args.per_device_train_batch_size=8", "grpo.args.max_steps=1",
+                        "grpo.args.per_device_train_batch_size=8", "grpo.args.max_completion_length=4",
+                        "dpo.args.max_steps=1", "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12",
+                        "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", "eval.max_new_tokens=4"],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "tests")})  # the test reward gives pairs
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    cell = json.loads((out / "seed3-default.json").read_text())
+    assert cell["torch_cpu_capability"] == "DEFAULT" and cell["threads"] == 1 and cell["torch_threads"] == 1
+    assert cell["environment"]["ATEN_CPU_CAPABILITY"] == "default" and cell["seed"] == 3
+    assert set(cell["metrics"]) == {"base", "sft", "grpo", "dpo"} and set(cell["gains_over_sft"]) == {"grpo", "dpo"}
+    assert all(k in cell["gains_over_sft"]["grpo"] for k in ("gain", "se", "better", "worse"))
+    assert list(cell["seconds"]) == ["start-up", "sft", "grpo", "dpo", "evaluation"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- demo-table:start -->\nold\n<!-- demo-table:end -->\ntail\n")
+    t = subprocess.run([sys.executable, "bench/demo_matrix.py", "--table", "--out-dir", str(out), "--readme",
+                        str(readme)], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert t.returncode == 0, t.stderr
+    text = readme.read_text()
+    assert "old" not in text and "| 3 | default |" in text and text.endswith("<!-- demo-table:end -->\ntail\n")
+    bad = subprocess.run([sys.executable, "bench/demo_matrix.py", "--table", "--out-dir", str(tmp_path / "none")],
+                         check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode != 0 and "no cell JSON" in bad.stderr

@@ -272,3 +272,7 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
     assert record["demonstration"] != record["solution"] and text.endswith(f"<answer>{record['demonstration']}</answer>")
     with pytest.raises(ValueError, match="annotator jitter and loose"):
         Annotator(jitter=1.5)
+    from vlmexp.data.formats import parse_record
+
+    with pytest.raises(ValueError, match="demonstration 'near the top' holds no box"):
+        parse_record({**noisy[0], "demonstration": "near the top"}, "rec", None)

@@ -35,9 +35,6 @@ def target_text(record: dict[str, Any], family: Family, budget) -> str:
     if example.task == "rec":
         width, height = record["image_sizes"][0]
         shown = parse_box(record["demonstration"]) if record.get("demonstration") is not None else example.solution
-        if shown is None:
-            raise ValueError(f"demonstration {record['demonstration']!r} holds no box; write [x1, y1, x2, y2] in "
-                             "original pixels or drop the field")
         box = to_frame(shown, width, height, family.box_frame, budget)
         return f"<think>{example.problem} is here.</think><answer>{format_box(box)}</answer>"
     return f"<think>Solve it.</think><answer>{example.solution}</answer>"

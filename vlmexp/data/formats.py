@@ -1,7 +1,8 @@
 """Record formats a source may use, detected per source from its first record.
 
 (a) "rec": VLM-R1 REC, {"image", "problem", "solution": [x1, y1, x2, y2]} (box in original pixels; the
-    solution may be a string holding the list or <answer>[...]</answer>).
+    solution may be a string holding the list or <answer>[...]</answer>); optional "demonstration": another
+    box, the one SFT imitates (an annotator's), while rewards and evaluation score against the solution.
 (b) "conversations": VLM-R1 JSONL, {"id", "image": str | list, "conversations": [{"from": "human",
     "value": "<image>..."}, {"from": "gpt", "value": "..."}]}, optional "accu_reward_method".
 (c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [image, ...]}.
@@ -25,7 +26,7 @@ DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math", "pairs
 ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "solution", "answer", "conversations", "accu_reward_method", "task", "id",
-          "chosen", "rejected")
+          "chosen", "rejected", "demonstration")
 EXPECTED = ("rec: image, problem, solution; conversations: image, conversations; "
             "easyr1: problem, answer, images; pairs: image(s), question or problem, chosen, rejected")
 
@@ -94,6 +95,11 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
 
             raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original pixels")
         solution = box
+        if record.get("demonstration") is not None and parse_box(record["demonstration"]) is None:
+            from vlmexp.data.images import describe
+
+            raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, x2, y2] "
+                             "in original pixels or drop the field")
     else:
         solution = str(solution)
     return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected)
