@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -168,15 +169,14 @@ class DataSource(Section):
         return v
 
 
-def check_scene_ranges(width: tuple[int, int], height: tuple[int, int], objects: tuple[int, int]) -> None:
-    """Raise ValueError unless the generated images' size ranges and shape counts can work (the schema's
-    data.demo and vlmexp.data.demo.Scenes both ask here)."""
-    for name, (lo, hi) in (("width", width), ("height", height), ("objects", objects)):
-        if not 0 < lo <= hi:
-            raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
-    if min(width[0], height[0]) < 64:
-        raise ValueError(f"scene images must be at least 64 pixels a side, got width {list(width)}, "
-                         f"height {list(height)}")
+def check_scene_range(name: str, value: tuple[int, int]) -> None:
+    """Raise ValueError unless a generated images' range (width, height: pixels; objects: shapes) can work;
+    the schema's data.demo and vlmexp.data.demo.Scenes both ask here."""
+    lo, hi = value
+    if not 0 < lo <= hi:
+        raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
+    if name in ("width", "height") and lo < 64:
+        raise ValueError(f"scene images must be at least 64 pixels a side, got {name} {list(value)}")
 
 
 class DemoDataConfig(Section):
@@ -200,10 +200,11 @@ class DemoDataConfig(Section):
         0.0, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
         "side (a loose annotator). 0: tight.")
 
-    @model_validator(mode="after")
-    def _scenes(self) -> DemoDataConfig:
-        check_scene_ranges(tuple(self.width), tuple(self.height), tuple(self.objects))
-        return self
+    @field_validator("width", "height", "objects")
+    @classmethod
+    def _scenes(cls, value: tuple[int, int], info: ValidationInfo) -> tuple[int, int]:
+        check_scene_range(str(info.field_name), value)
+        return value
 
 
 class DataConfig(Section):
@@ -458,7 +459,11 @@ class LaunchConfig(Section):
 
 
 class Config(Section):
-    """A whole experiment: one YAML, every stage."""
+    """A whole experiment: one YAML, every stage. A config may build on others with a top-level `extends: base.yaml`
+    (or a list of files, merged in order; paths relative to the file that names them): the bases' mappings are
+    merged key by key at any depth, and the file's own values win; a list or a value replaces the base's whole
+    (write `null` to drop a base's section, e.g. `data: {demo: null, datasets: [...]}`). Dotted overrides apply
+    after the merge; errors name the file and line where each value was written, a base file's included."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="Name, output folder and seed.")
     model: ModelConfig = Field(..., description="The model to train: a checkpoint, a hub id or tiny:<family>.")

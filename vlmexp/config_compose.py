@@ -73,6 +73,23 @@ def _base_paths(value: Any, path: Path, here: str, chain: tuple[Path, ...]) -> l
     return out
 
 
+def origin_of(origins: Origins, loc: Loc) -> str | None:
+    """Where the value at `loc` (or its nearest written parent) was written. A section whose values came from
+    several files (a problem found in the section as a whole) names the first line of each of the others."""
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in origins:
+            own = origins[loc[:n]]
+            break
+    else:
+        return None
+    files = {own.rpartition(":")[0]: own}
+    for sub, where in origins.items():
+        if len(sub) > n and sub[:n] == loc[:n]:
+            files.setdefault(where.rpartition(":")[0], where)
+    others = list(files.values())[1:]
+    return f"{own} (with values from {', '.join(others)})" if n == len(loc) and others else own
+
+
 def merge(base: dict[str, Any], base_origins: Origins, top: dict[str, Any],
           top_origins: Origins) -> tuple[dict[str, Any], Origins]:
     """`top` merged onto `base` (mappings key by key, anything else replaced) and where each merged value was

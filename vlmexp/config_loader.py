@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
 from vlmexp.config_checks import check_names, check_reward_imports, check_trl_config
-from vlmexp.config_compose import EXTENDS, read_composed
+from vlmexp.config_compose import EXTENDS, origin_of, read_composed
 from vlmexp.errors import ConfigError, Problem, change_the_value, short
 from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml
 
@@ -48,10 +48,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
             n = min(len(loc), len(set_loc))
             if n and loc[:n] == set_loc[:n]:
                 return f"override {short(item)}"
-        for n in range(len(loc), -1, -1):
-            if loc[:n] in origins:
-                return origins[loc[:n]]
-        return str(path)
+        return origin_of(origins, loc) or str(path)
 
     non_finite = dict(_non_finite(raw, ()))  # anywhere, kwargs and TRL args included
     problems += [Problem(where(loc), _dotted(loc), "not a finite number (NaN or infinity); write a finite number",
@@ -144,7 +141,7 @@ def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
     msg = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if kind == "extra_forbidden":
-        known = _fields_at(loc[:-1])
+        known = _fields_at(loc[:-1]) + ([EXTENDS] if len(loc) == 1 else [])  # the loader's own top-level key
         hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
         fix = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
         return Problem(where(loc), _dotted(loc), f"unknown key; remove it or fix its spelling ({fix})")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from vlmexp.config import DemoDataConfig, check_scene_ranges
+from vlmexp.config import DemoDataConfig, check_scene_range
 from vlmexp.files import new_folder
 
 _DEFAULTS = {name: field.default for name, field in DemoDataConfig.model_fields.items()}  # the defaults live there
@@ -46,7 +46,8 @@ class Scenes:
     background: str = _DEFAULTS["background"]  # or "gradient": the shade encodes the pixel's x (red) and y (green)
 
     def __post_init__(self) -> None:
-        check_scene_ranges(self.width, self.height, self.objects)
+        for name in ("width", "height", "objects"):
+            check_scene_range(name, getattr(self, name))
 
 
 def _gradient(w: int, h: int):
