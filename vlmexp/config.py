@@ -49,7 +49,22 @@ DEFAULT_PROMPT_TEMPLATES: dict[str, str] = {
     ),
     "exact": "{problem} Think in <think> </think> tags, then answer in <answer> </answer> tags.",
 }
-TEMPLATE_FIELDS = {"problem", "frame"}
+TEMPLATE_FIELDS = ("problem", "frame")  # what a prompt template may use
+TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
+
+
+def check_template(template: str, fields: tuple[str, ...], what: str) -> None:
+    """Raise ValueError unless `template` is a str.format template using only `fields`, the first among them."""
+    try:
+        used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"{what} is malformed ({e}); escape braces as {{{{ }}}}") from None
+    unknown = used - set(fields)
+    if unknown:
+        raise ValueError(f"{what} uses {sorted(unknown)}; only {' and '.join('{' + f + '}' for f in fields)} exist "
+                         "(escape literal braces as {{ }})")
+    if fields[0] not in used:
+        raise ValueError(f"{what} must contain {{{fields[0]}}}")
 
 
 class Section(BaseModel):
@@ -224,18 +239,7 @@ class DataConfig(Section):
     @classmethod
     def _templates(cls, v: dict[str, str]) -> dict[str, str]:
         for task, template in v.items():
-            try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-            except ValueError as e:
-                raise ValueError(f"template for {task!r} is malformed ({e}); escape braces as {{{{ }}}}") from None
-            unknown = fields - TEMPLATE_FIELDS
-            if unknown:
-                raise ValueError(
-                    f"template for {task!r} uses {sorted(unknown)}; only {{problem}} and {{frame}} exist"
-                    " (escape literal braces as {{ }})"
-                )
-            if "problem" not in fields:
-                raise ValueError(f"template for {task!r} must contain {{problem}}")
+            check_template(template, TEMPLATE_FIELDS, f"template for {task!r}")
         return {**DEFAULT_PROMPT_TEMPLATES, **v}
 
     @model_validator(mode="after")
@@ -291,6 +295,20 @@ class StageConfig(Section):
 
 class SFTStageConfig(StageConfig):
     """Supervised fine-tuning with trl.SFTTrainer; `args` are trl.SFTConfig fields."""
+
+    target_template: str | None = Field(
+        None, description="What SFT trains on for records that are not rec (whose target is built from the box): "
+        "this text with {answer} (the record's answer or solution) and optionally {problem}, e.g. "
+        "'<think>...</think><answer>{answer}</answer>'. Default null: pairs records train on their chosen answer "
+        "and conversations records on their gpt turn as written, and SFT refuses, before any step, records that "
+        "hold only a ground truth (EasyR1's answer).")
+
+    @field_validator("target_template")
+    @classmethod
+    def _target_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_template(v, TARGET_FIELDS, "the template")
+        return v
 
 
 class RewardSpec(Section):
