@@ -25,7 +25,8 @@ from tasks.stages import (
     train_stage,
     validate_config,
 )
-from vlmexp.results import TRAINING_STAGES, PipelineResult  # typed results: light, no torch
+from vlmexp.config import TRAINING_STAGES
+from vlmexp.results import PipelineResult  # typed results: light, no torch
 
 
 def _cached(task, force: bool, retries: int, delay: float, **params: Any):

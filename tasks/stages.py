@@ -58,11 +58,14 @@ def sample_data(pending: str) -> SampledData:
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.splits import prepare_data
     from vlmexp.modeling import resolve_model
+    from vlmexp.prompts import check_sft_targets
     from vlmexp.stage_runner import commit_resolved, load_resolved
 
     cfg = load_resolved(pending)
     model_path, _ = resolve_model(cfg.model, cfg.run.output_dir)  # builds a tiny model once
     data = prepare_data(cfg)  # raises on bad data before writing anything; a retry reads `pending` again
+    if cfg.sft.enabled:
+        check_sft_targets(data.train, cfg.sft.target_template)  # before any stage starts
     resolved = commit_resolved(pending)
     get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
     return SampledData(resolved=str(resolved), train=str(data.train), val=str(data.val) if data.val else None,

@@ -130,7 +130,6 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
     (BASE + "pipeline:\n  stage_deployments: {gpro: vlm-stage/gpu}\n", "unknown stage 'gpro'; stages that can run"),
     (BASE + "pipeline:\n  stage_deployments: {grpo: gpu}\n", "write 'flow/deployment'"),
     (BASE + "grpo:\n  rewards: [{name: accuracy}]\n", "unknown reward 'accuracy'"),
-    (BASE + "grpo:\n  rewards: [{name: 'nosuchmod:fn'}]\n", "cannot import"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n    - {json_path: a.json, sampling_strategy: "
      "'middle:3'}\n", "unknown sampling strategy"),
 ])
@@ -138,6 +137,54 @@ def test_semantic_errors_say_the_fix(tmp_path, body, needle):
     p = _write(tmp_path, body)
     joined = "\n".join(_problems(p))
     assert needle in joined
+
+
+def test_schema_imports_pydantic_and_the_family_table_only():
+    code = ("import sys, vlmexp.config\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vlmexp') or m.split('.')[0] in "
+            "('yaml', 'PIL', 'numpy', 'torch', 'trl', 'datasets')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "['vlmexp', 'vlmexp.config', 'vlmexp.families']"
+
+
+def test_validation_runs_user_code_only_behind_the_switch(tmp_path, monkeypatch, capsys):
+    """Config.model_validate and a plain load_config name-check a module:function reward without importing
+    it; load_config(import_rewards=True) and `vlmexp validate` import it in a child process."""
+    from vlmexp.cli import main
+    from vlmexp.config import Config
+
+    marker = tmp_path / "imported.txt"
+    (tmp_path / "marking_reward.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n"
+                                                "def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = _write(tmp_path, BASE + "grpo:\n  rewards: [{name: 'marking_reward:score'}]\n")
+    Config.model_validate({"model": {"path": "tiny:qwen2_5_vl"}, "data": {"demo": {}},
+                           "grpo": {"rewards": [{"name": "marking_reward:score"}]}})
+    assert load_config(p).grpo.rewards[0].name == "marking_reward:score"
+    assert not marker.exists(), "validation without the switch must not import the reward's module"
+    load_config(p, import_rewards=True)
+    assert marker.read_text() == "x" and "marking_reward" not in sys.modules  # imported once, in a child
+    assert main(["validate", "--no-check-paths", str(p)]) == 0 and marker.read_text() == "xx"
+    capsys.readouterr()
+    missing = _write(tmp_path, BASE + "grpo:\n  rewards: [{name: format}, {name: 'nosuchmod:fn'}]\n")
+    load_config(missing)  # the form is right; only importing finds that the module does not exist
+    with pytest.raises(ConfigError) as e:
+        load_config(missing, import_rewards=True)
+    [msg] = [str(p) for p in e.value.problems]
+    assert f"{missing}:6" in msg and "grpo.rewards.1.name = 'nosuchmod:fn'" in msg and "cannot import" in msg
+
+
+def test_names_are_checked_with_the_schema_problems_at_once(tmp_path):
+    """Names the schema leaves to the check phase (rewards, strategies, columns) are reported together with
+    the schema's own problems, each at its line."""
+    p = _write(tmp_path, "model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n"
+                         "    - {json_path: a.json, sampling_strategy: 'middle:3', columns: {question: q}}\n"
+                         "eval:\n  batch_size: 0\ngrpo:\n  rewards: [{name: fromat}]\n")
+    joined = "\n".join(_problems(p))
+    assert f"{p}:5: data.datasets.0.sampling_strategy = 'middle:3': unknown sampling strategy" in joined
+    assert f"{p}:5: data.datasets.0.columns" in joined and "unknown field(s) ['question']" in joined
+    assert f"{p}:7: eval.batch_size = 0" in joined
+    assert f"{p}:9: grpo.rewards.0.name = 'fromat': unknown reward 'fromat'" in joined
 
 
 def test_check_paths(tmp_path):

@@ -12,6 +12,7 @@ import yaml
 from conftest import make_png, write_json, write_jsonl
 
 from vlmexp.config import DataSource
+from vlmexp.data.demo import demo_folder_name
 from vlmexp.data.mixture import sample_sources
 from vlmexp.data.sources import load_data_yaml
 from vlmexp.errors import DataError
@@ -231,7 +232,7 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
     # a changed scene setting generates a new dataset instead of reusing the folder
     other = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=6",
                                                      "data.demo.val=2"])
-    assert other.data.demo.folder_name() != cfg.data.demo.folder_name()
+    assert demo_folder_name(other.data.demo) != demo_folder_name(cfg.data.demo)
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/demo.yaml", ["data.demo.width=[300,200]"])
     assert "data.demo" in str(err.value) and "[300, 200]" in str(err.value)

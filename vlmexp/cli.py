@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from vlmexp.config import TRAINING_STAGES
 from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import Problem, VlmexpError
 from vlmexp.families import FAMILIES
@@ -25,7 +26,7 @@ def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> No
 def cmd_validate(args: argparse.Namespace) -> int:
     from vlmexp.config_loader import load_config
 
-    cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths)
+    cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths, import_rewards=True)
     print(f"{args.config}: ok (model {cfg.model.path}, output_dir {cfg.run.output_dir})")
     return 0
 
@@ -190,7 +191,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vlmexp.launch import is_launched_process, stage_command
     from vlmexp.path_checks import check_checkpoint
 
-    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)  # dry run: from any machine
+    # a dry run works from any machine: no paths probed, no reward module imported
+    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run, import_rewards=not args.dry_run)
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
     command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name,
@@ -229,10 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmexp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="check a config (schema, TRL args, paths); exit 0 or 2")
+    p = sub.add_parser("validate", help="check a config (schema, names, TRL args, reward imports, paths); exit 0 or 2")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.args.learning_rate=1e-6")
-    p.add_argument("--no-check-paths", action="store_true", help="check the schema only")
+    p.add_argument("--no-check-paths", action="store_true", help="skip the path checks (the rest is still checked)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("make-tiny-model", help="write a tiny random-weight model of a family (offline)")
@@ -242,17 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
     p.add_argument("dir")
-    p.add_argument("--train", type=int, default=256)
-    p.add_argument("--val", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    from vlmexp.data.demo import Scenes  # light: the defaults live there once
+    from vlmexp.config import DemoDataConfig  # light: the defaults live there once (data.demo's)
 
-    p.add_argument("--width", type=int, nargs=2, default=Scenes.width, metavar=("LOW", "HIGH"), help="image widths")
-    p.add_argument("--height", type=int, nargs=2, default=Scenes.height, metavar=("LOW", "HIGH"),
+    demo = DemoDataConfig()
+    p.add_argument("--train", type=int, default=demo.train)
+    p.add_argument("--val", type=int, default=demo.val)
+    p.add_argument("--seed", type=int, default=demo.seed)
+    p.add_argument("--width", type=int, nargs=2, default=demo.width, metavar=("LOW", "HIGH"), help="image widths")
+    p.add_argument("--height", type=int, nargs=2, default=demo.height, metavar=("LOW", "HIGH"),
                    help="image heights")
-    p.add_argument("--objects", type=int, nargs=2, default=Scenes.objects, metavar=("LOW", "HIGH"),
+    p.add_argument("--objects", type=int, nargs=2, default=demo.objects, metavar=("LOW", "HIGH"),
                    help="shapes per image")
-    p.add_argument("--background", choices=("plain", "gradient"), default=Scenes.background,
+    p.add_argument("--background", choices=("plain", "gradient"), default=demo.background,
                    help="gradient: the shade encodes x and y (what configs/demo.yaml uses)")
     p.set_defaults(func=cmd_make_demo_data)
 
@@ -302,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ui)
 
     p = sub.add_parser("train", help="run one training stage (sft, dpo or grpo) in this process")
-    p.add_argument("stage", choices=("sft", "dpo", "grpo"))
+    p.add_argument("stage", choices=TRAINING_STAGES)
     p.add_argument("--config", required=True)
     p.add_argument("--model", help="start from this model or adapter folder (e.g. the SFT stage's final/)")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")

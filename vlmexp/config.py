@@ -1,5 +1,10 @@
 """The one typed config tree. Every section rejects unknown keys; `load_config` reports all errors at once.
 
+The schema is pure: it imports pydantic and the family table only, and validating it (`Config.model_validate`)
+runs no user code and reads no file. What needs other modules or has side effects (registered reward names,
+sampling strategies, a source's `columns`, importing a `module:function` reward, probing paths, building
+TRL's argument classes) is the loader's check phase (`vlmexp.config_checks`, run by `load_config`).
+
 Relative paths in a config resolve against the working directory the command runs in (the repository
 root for the shipped configs). Training arguments that TRL defines are not restated here: `sft.args`
 and `grpo.args` pass through to `trl.SFTConfig` / `trl.GRPOConfig` and are validated by building them
@@ -22,12 +27,12 @@ from pydantic import (
     model_validator,
 )
 
-from vlmexp.data.demo import Annotator, Scenes
 from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact"]
 TASKS: tuple[str, ...] = ("rec", "math", "exact")
-DEPLOYABLE_STAGES: tuple[str, ...] = ("sft", "dpo", "grpo", "eval")  # pipeline.stage_deployments keys
+TRAINING_STAGES: tuple[str, ...] = ("sft", "dpo", "grpo")  # in the order the pipeline runs them
+DEPLOYABLE_STAGES: tuple[str, ...] = (*TRAINING_STAGES, "eval")  # pipeline.stage_deployments keys
 
 FRAME_HINTS = {
     "pixels": "in absolute pixel coordinates of the image",
@@ -44,7 +49,22 @@ DEFAULT_PROMPT_TEMPLATES: dict[str, str] = {
     ),
     "exact": "{problem} Think in <think> </think> tags, then answer in <answer> </answer> tags.",
 }
-TEMPLATE_FIELDS = {"problem", "frame"}
+TEMPLATE_FIELDS = ("problem", "frame")  # what a prompt template may use
+TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
+
+
+def check_template(template: str, fields: tuple[str, ...], what: str) -> None:
+    """Raise ValueError unless `template` is a str.format template using only `fields`, the first among them."""
+    try:
+        used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"{what} is malformed ({e}); escape braces as {{{{ }}}}") from None
+    unknown = used - set(fields)
+    if unknown:
+        raise ValueError(f"{what} uses {sorted(unknown)}; only {' and '.join('{' + f + '}' for f in fields)} exist "
+                         "(escape literal braces as {{ }})")
+    if fields[0] not in used:
+        raise ValueError(f"{what} must contain {{{fields[0]}}}")
 
 
 class Section(BaseModel):
@@ -158,37 +178,35 @@ class DataSource(Section):
     @field_validator("columns")
     @classmethod
     def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        from vlmexp.data.formats import FIELDS
-
-        unknown = sorted(set(v or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown} in columns; map the source's columns to these fields: "
-                             f"{', '.join(FIELDS)} (as `field: source_column`)")
+        # the field names themselves are checked against vlmexp.data.formats.FIELDS by the check phase
         if v and len(set(v.values())) != len(v):
             raise ValueError("columns maps one source column to two fields; map each column once")
         return v
 
-    @field_validator("sampling_strategy")
-    @classmethod
-    def _strategy(cls, v: str) -> str:
-        from vlmexp.data.strategies import parse_strategy
 
-        parse_strategy(v)  # raises ValueError with the fix
-        return v
+def check_scene_range(name: str, value: tuple[int, int]) -> None:
+    """Raise ValueError unless a generated images' range (width, height: pixels; objects: shapes) can work;
+    the schema's data.demo and vlmexp.data.demo.Scenes both ask here."""
+    lo, hi = value
+    if not 0 < lo <= hi:
+        raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
+    if name in ("width", "height") and lo < 64:
+        raise ValueError(f"scene images must be at least 64 pixels a side, got {name} {list(value)}")
 
 
 class DemoDataConfig(Section):
-    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use."""
+    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use. These defaults are
+    also `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them from here)."""
 
     train: PositiveInt = Field(256, description="Training records to generate.")
     val: PositiveInt = Field(64, description="Held-out records to generate.")
     seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data stays "
                                      "the same across training seeds).")
-    width: tuple[PositiveInt, PositiveInt] = Field(Scenes.width, description="Image width range [low, high].")
-    height: tuple[PositiveInt, PositiveInt] = Field(Scenes.height, description="Image height range [low, high].")
-    objects: tuple[PositiveInt, PositiveInt] = Field(Scenes.objects, description="Shapes per image [low, high].")
+    width: tuple[PositiveInt, PositiveInt] = Field((160, 320), description="Image width range [low, high].")
+    height: tuple[PositiveInt, PositiveInt] = Field((120, 280), description="Image height range [low, high].")
+    objects: tuple[PositiveInt, PositiveInt] = Field((2, 3), description="Shapes per image [low, high].")
     background: Literal["plain", "gradient"] = Field(
-        Scenes.background, description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
+        "plain", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
         "has no absolute position embedding, can see where a shape is.")
     annotator_jitter: float = Field(
         0.0, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge by a uniform "
@@ -197,24 +215,11 @@ class DemoDataConfig(Section):
         0.0, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
         "side (a loose annotator). 0: tight.")
 
-    @model_validator(mode="after")
-    def _scenes(self) -> DemoDataConfig:
-        self.scenes()  # raises ValueError with the ranges that cannot work
-        return self
-
-    def annotator(self) -> Annotator:
-        return Annotator(self.annotator_jitter, self.annotator_loose)
-
-    def scenes(self) -> Scenes:
-        return Scenes(tuple(self.width), tuple(self.height), tuple(self.objects), self.background)
-
-    def folder_name(self) -> str:
-        """Where under run.output_dir this dataset is generated; any setting that changes it changes the name."""
-        import hashlib
-
-        made = self.scenes() if self.annotator() == Annotator() else (self.scenes(), self.annotator())
-        scenes = hashlib.sha256(repr(made).encode()).hexdigest()[:8]
-        return f"demo_data-{self.train}-{self.val}-{self.seed}-{scenes}"
+    @field_validator("width", "height", "objects")
+    @classmethod
+    def _scenes(cls, value: tuple[int, int], info: ValidationInfo) -> tuple[int, int]:
+        check_scene_range(str(info.field_name), value)
+        return value
 
 
 class DataConfig(Section):
@@ -234,18 +239,7 @@ class DataConfig(Section):
     @classmethod
     def _templates(cls, v: dict[str, str]) -> dict[str, str]:
         for task, template in v.items():
-            try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-            except ValueError as e:
-                raise ValueError(f"template for {task!r} is malformed ({e}); escape braces as {{{{ }}}}") from None
-            unknown = fields - TEMPLATE_FIELDS
-            if unknown:
-                raise ValueError(
-                    f"template for {task!r} uses {sorted(unknown)}; only {{problem}} and {{frame}} exist"
-                    " (escape literal braces as {{ }})"
-                )
-            if "problem" not in fields:
-                raise ValueError(f"template for {task!r} must contain {{problem}}")
+            check_template(template, TEMPLATE_FIELDS, f"template for {task!r}")
         return {**DEFAULT_PROMPT_TEMPLATES, **v}
 
     @model_validator(mode="after")
@@ -302,22 +296,28 @@ class StageConfig(Section):
 class SFTStageConfig(StageConfig):
     """Supervised fine-tuning with trl.SFTTrainer; `args` are trl.SFTConfig fields."""
 
+    target_template: str | None = Field(
+        None, description="What SFT trains on for records that are not rec (whose target is built from the box): "
+        "this text with {answer} (the record's answer or solution) and optionally {problem}, e.g. "
+        "'<think>...</think><answer>{answer}</answer>'. Default null: pairs records train on their chosen answer "
+        "and conversations records on their gpt turn as written, and SFT refuses, before any step, records that "
+        "hold only a ground truth (EasyR1's answer).")
+
+    @field_validator("target_template")
+    @classmethod
+    def _target_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_template(v, TARGET_FIELDS, "the template")
+        return v
+
 
 class RewardSpec(Section):
-    name: str = Field(..., description="A registered reward (format, iou, iou_threshold, math, exact) "
-                                       "or module:function.")
+    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, math, exact) "
+                      "or module:function. The loader checks the name; its `import_rewards` switch (on in `vlmexp "
+                      "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
                                                                      "(e.g. iou_threshold's threshold).")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str, info: ValidationInfo) -> str:
-        from vlmexp.rewards import check_reward_name
-
-        # validation imports a module:function reward's module in a child process (its top-level code runs)
-        check_reward_name(v, import_module=(info.context or {}).get("import_rewards", True))
-        return v
 
 
 class GRPOStageConfig(StageConfig):
@@ -477,7 +477,11 @@ class LaunchConfig(Section):
 
 
 class Config(Section):
-    """A whole experiment: one YAML, every stage."""
+    """A whole experiment: one YAML, every stage. A config may build on others with a top-level `extends: base.yaml`
+    (or a list of files, merged in order; paths relative to the file that names them): the bases' mappings are
+    merged key by key at any depth, and the file's own values win; a list or a value replaces the base's whole
+    (write `null` to drop a base's section, e.g. `data: {demo: null, datasets: [...]}`). Dotted overrides apply
+    after the merge; errors name the file and line where each value was written, a base file's included."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="Name, output folder and seed.")
     model: ModelConfig = Field(..., description="The model to train: a checkpoint, a hub id or tiny:<family>.")

@@ -1,7 +1,10 @@
-"""Load a config: YAML file + dotted overrides -> validated `Config`, or a ConfigError listing every problem.
+"""Load a config: YAML file (with its `extends:` chain) + dotted overrides -> validated `Config`, or a
+ConfigError listing every problem.
 
-Each problem names where it comes from (file:line, or the override that set it), the field's dotted
-path, the bad value, and the fix. YAML is parsed with the safe loader only.
+Each problem names where it comes from (file:line of the file that wrote the value, a base file's included,
+or the override that set it), the field's dotted path, the bad value, and the fix. YAML is parsed with the
+safe loader only. Three phases: compose (`vlmexp.config_compose`), the schema (`vlmexp.config`, pure), and
+the check phase (`vlmexp.config_checks`, whose checks with side effects run only when asked).
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
+from vlmexp.config_checks import check_names, check_reward_imports, check_trl_config
+from vlmexp.config_compose import EXTENDS, origin_of, read_composed
 from vlmexp.errors import ConfigError, Problem, change_the_value, short
-from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml, read_yaml_mapping
+from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
-                check_trl: bool = True) -> Config:
-    """Read, override and validate a config. Raises ConfigError with all problems found.
+                check_trl: bool = True, import_rewards: bool = False) -> Config:
+    """Read (merging `extends:`), override and validate a config. Raises ConfigError with all problems found.
 
-    `check_trl`: also build TRL's config classes from the args and import each module:function reward (in a
-    child process); off for a config that was validated already (a run's resolved copy)."""
-    raw, lines = read_yaml_with_lines(path)
+    Reward names, sampling strategies and `columns` fields are always checked (nothing runs). The switches:
+    `check_trl` builds TRL's config classes from the args (off for a config validated already: a run's
+    resolved copy); `import_rewards` imports each module:function reward's module in a child process, so the
+    module's top-level code runs (`vlmexp validate`, `run` and `train` turn it on); `check_paths` probes the
+    files and folders the config names."""
+    raw, origins = read_composed(path)
     problems: list[Problem] = []
     override_locs: dict[Loc, str] = {}
     for item in overrides:
@@ -40,45 +48,29 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
             n = min(len(loc), len(set_loc))
             if n and loc[:n] == set_loc[:n]:
                 return f"override {short(item)}"
-        for n in range(len(loc), -1, -1):
-            if loc[:n] in lines:
-                return f"{path}:{lines[loc[:n]]}"
-        return str(path)
+        return origin_of(origins, loc) or str(path)
 
     non_finite = dict(_non_finite(raw, ()))  # anywhere, kwargs and TRL args included
     problems += [Problem(where(loc), _dotted(loc), "not a finite number (NaN or infinity); write a finite number",
                          value) for loc, value in non_finite.items()]
     cfg = None
     try:
-        cfg = Config.model_validate(raw, context={"import_rewards": check_trl})
+        cfg = Config.model_validate(raw)
     except ValidationError as e:
         problems += [_problem_from_pydantic(err, where) for err in e.errors()
                      if not (err["type"] == "finite_number" and _clean(err["loc"]) in non_finite)]
-    if cfg is not None and check_trl:
-        from vlmexp.trl_args import check_trl_args
-
-        for stage in ("sft", "dpo", "grpo"):
-            for key, value, message in check_trl_args(stage, getattr(cfg, stage).args):
-                loc: Loc = (stage, "args", key) if key else (stage, "args")
-                if loc not in non_finite:
-                    problems.append(Problem(where(loc), _dotted(loc), message, value))
+    found = check_names(raw)
+    if cfg is not None:
+        found += (check_trl_config(cfg) if check_trl else []) + (check_reward_imports(cfg) if import_rewards else [])
     if cfg is not None and check_paths:
         from vlmexp.path_checks import check_config_paths
 
-        problems += [Problem(where(loc), _dotted(loc), msg, value) for loc, value, msg in check_config_paths(cfg)]
+        found += check_config_paths(cfg)
+    problems += [Problem(where(loc), _dotted(loc), message, value) for loc, value, message in found
+                 if loc not in non_finite]
     if problems:
         raise ConfigError(problems, title=f"invalid config {path}")
     return cfg
-
-
-def read_yaml_with_lines(path: str | Path, expected: str = "a config's sections (run, model, data, ...) or a data "
-                                                           "YAML's `datasets:` list") -> tuple[dict[str, Any], dict[Loc, int]]:
-    """Parse a YAML mapping safely and within bounds (`vlmexp.yaml_reader`); also return the 1-based line of
-    every key and list item. Raises ConfigError naming the file (and line or byte) and the fix."""
-    try:
-        return read_yaml_mapping(path, expected)
-    except YamlProblems as e:
-        raise ConfigError(e.problems, title=f"invalid config {path}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -96,6 +88,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_override(raw: dict[str, Any], item: str) -> Loc:
     """Set one dotted override in the raw mapping; return the location it set."""
     parts, value = parse_override(item)
+    if parts[0] == EXTENDS:
+        raise ValueError(f"{EXTENDS} is read from the config file only (it merges files before any override); "
+                         f"write it in the YAML file")
     node: Any = raw
     loc: list[str | int] = []
     for i, part in enumerate(parts):
@@ -146,7 +141,7 @@ def _problem_from_pydantic(err: dict[str, Any], where) -> Problem:
     msg = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if kind == "extra_forbidden":
-        known = _fields_at(loc[:-1])
+        known = _fields_at(loc[:-1]) + ([EXTENDS] if len(loc) == 1 else [])  # the loader's own top-level key
         hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
         fix = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
         return Problem(where(loc), _dotted(loc), f"unknown key; remove it or fix its spelling ({fix})")

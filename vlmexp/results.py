@@ -13,8 +13,6 @@ from pydantic import BaseModel, ConfigDict
 
 from vlmexp.export import Promotion
 
-TRAINING_STAGES = ("sft", "dpo", "grpo")
-
 
 class Result(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -52,7 +52,7 @@ def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
     """
     from vlmexp.config_loader import dump_config, load_config
 
-    cfg = load_config(config, overrides, check_paths=True)
+    cfg = load_config(config, overrides, check_paths=True, import_rewards=True)
     return cfg, dump_config(cfg, Path(cfg.run.output_dir) / PENDING_NAME)
 
 

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from vlmexp.config import DemoDataConfig, check_scene_range
 from vlmexp.files import new_folder
+
+_DEFAULTS = {name: field.default for name, field in DemoDataConfig.model_fields.items()}  # the defaults live there
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
@@ -37,19 +40,14 @@ def _place(rng: random.Random, w: int, h: int, side: int, boxes: list[list[int]]
 class Scenes:
     """What the generated images look like: size ranges in pixels and the number of shapes (inclusive)."""
 
-    width: tuple[int, int] = (160, 320)
-    height: tuple[int, int] = (120, 280)
-    objects: tuple[int, int] = (2, 3)
-    background: str = "plain"  # or "gradient": the shade encodes the pixel's x (red) and y (green)
+    width: tuple[int, int] = _DEFAULTS["width"]
+    height: tuple[int, int] = _DEFAULTS["height"]
+    objects: tuple[int, int] = _DEFAULTS["objects"]
+    background: str = _DEFAULTS["background"]  # or "gradient": the shade encodes the pixel's x (red) and y (green)
 
     def __post_init__(self) -> None:
         for name in ("width", "height", "objects"):
-            lo, hi = getattr(self, name)
-            if not 0 < lo <= hi:
-                raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
-        if min(self.width[0], self.height[0]) < 64:
-            raise ValueError(f"scene images must be at least 64 pixels a side, got width {list(self.width)}, "
-                             f"height {list(self.height)}")
+            check_scene_range(name, getattr(self, name))
 
 
 def _gradient(w: int, h: int):
@@ -122,7 +120,26 @@ class Annotator:
         return [x1, y1, x2, y2]
 
 
-def make_demo_data(out_dir: str | Path, train: int = 256, val: int = 64, seed: int = 0,
+def scenes_of(demo: DemoDataConfig) -> Scenes:
+    return Scenes(tuple(demo.width), tuple(demo.height), tuple(demo.objects), demo.background)
+
+
+def annotator_of(demo: DemoDataConfig) -> Annotator:
+    return Annotator(demo.annotator_jitter, demo.annotator_loose)
+
+
+def demo_folder_name(demo: DemoDataConfig) -> str:
+    """Where under run.output_dir `demo`'s dataset is generated; any setting that changes it changes the name."""
+    import hashlib
+
+    scenes, annotator = scenes_of(demo), annotator_of(demo)
+    made = scenes if annotator == Annotator() else (scenes, annotator)
+    digest = hashlib.sha256(repr(made).encode()).hexdigest()[:8]
+    return f"demo_data-{demo.train}-{demo.val}-{demo.seed}-{digest}"
+
+
+def make_demo_data(out_dir: str | Path, train: int = _DEFAULTS["train"], val: int = _DEFAULTS["val"],
+                   seed: int = _DEFAULTS["seed"],
                    scenes: Scenes = Scenes(), annotator: Annotator = Annotator()) -> Path:
     """Write images/, train.json, val.json, train.yaml and val.yaml under `out_dir`; return it.
 

@@ -22,6 +22,10 @@ from vlmexp.coords import parse_box
 
 FORMATS = ("rec", "conversations", "easyr1", "pairs")
 DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math", "pairs": "exact"}
+# Formats whose records carry an answer written out for a model to imitate (SFT trains on it as written): a
+# pairs record's chosen answer, a conversation's gpt turn. The others hold a ground truth to score against
+# (EasyR1's `answer`; a rec record's box, from which SFT builds its target).
+ANSWER_TEXT = {"pairs": "chosen", "conversations": "the gpt turn"}
 # accu_reward_method values of VLM-R1 JSONL data -> our task
 ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
 # the field names a source's `columns` mapping may produce

@@ -28,7 +28,7 @@ from vlmexp.data.tables import (
 )
 from vlmexp.errors import DataError, Problem
 
-__all__ = ["RECORD_SUFFIXES", "Location", "load_data_yaml", "locate", "open_table", "read_records",
+__all__ = ["RECORD_SUFFIXES", "Location", "check_source", "load_data_yaml", "locate", "open_table", "read_records",
            "resolve_relative", "sha256_file"]
 
 RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
@@ -233,6 +233,24 @@ def read_records(path: str | Path) -> list[Row]:
     return rows  # type: ignore[return-value]
 
 
+def check_source(src: DataSource) -> list[tuple[str, Any, str]]:
+    """(field, value, problem) for each field of a source that names something the data package defines: its
+    sampling strategy and the record fields its `columns` map to. Reads nothing."""
+    from vlmexp.data.formats import FIELDS
+    from vlmexp.data.strategies import parse_strategy
+
+    out: list[tuple[str, Any, str]] = []
+    try:
+        parse_strategy(src.sampling_strategy)
+    except ValueError as e:
+        out.append(("sampling_strategy", src.sampling_strategy, str(e)))
+    unknown = sorted(set(src.columns or {}) - set(FIELDS))
+    if unknown:
+        out.append(("columns", src.columns, f"unknown field(s) {unknown} in columns; map the source's columns to "
+                                            f"these fields: {', '.join(FIELDS)} (as `field: source_column`)"))
+    return out
+
+
 def load_data_yaml(path: str | Path) -> list[DataSource]:
     """The `datasets:` entries of a VLM-R1 data YAML; relative paths resolve against the YAML's folder."""
     from vlmexp.yaml_reader import YamlProblems, read_yaml_mapping
@@ -253,7 +271,11 @@ def load_data_yaml(path: str | Path) -> list[DataSource]:
         except ValidationError as e:
             problems += [_yaml_problem(p, lines, ("datasets", i, *err["loc"]), err) for err in e.errors()]
             continue
-        sources.append(resolve_relative(src, p.parent))
+        found = check_source(src)
+        problems += [_yaml_problem(p, lines, ("datasets", i, field), {"msg": message, "input": value})
+                     for field, value, message in found]
+        if not found:
+            sources.append(resolve_relative(src, p.parent))
     if problems:
         raise DataError(problems, title=f"invalid data YAML {p}")
     return sources

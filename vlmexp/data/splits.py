@@ -26,11 +26,11 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
     d = cfg.data
     cwd = Path.cwd()
     if d.demo is not None:
-        from vlmexp.data.demo import make_demo_data
+        from vlmexp.data.demo import annotator_of, demo_folder_name, make_demo_data, scenes_of
 
-        folder = Path(cfg.run.output_dir) / d.demo.folder_name()
+        folder = Path(cfg.run.output_dir) / demo_folder_name(d.demo)
         if not (folder / "train.yaml").is_file():
-            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, d.demo.scenes(), d.demo.annotator())
+            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, scenes_of(d.demo), annotator_of(d.demo))
         train = load_data_yaml(folder / "train.yaml")
         default_val = load_data_yaml(folder / "val.yaml")
     else:

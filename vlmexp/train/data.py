@@ -17,15 +17,17 @@ from vlmexp.families import Family
 from vlmexp.prompts import build_prompt, load_images, read_jsonl, target_text
 
 
-def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, stage: str):
-    """A datasets.Dataset for `stage` ("sft" or "grpo") from a sampled JSONL file."""
+def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, stage: str,
+                  target_template: str | None = None):
+    """A datasets.Dataset for `stage` ("sft" or "grpo") from a sampled JSONL file; SFT's targets per
+    `target_template` (sft.target_template, `vlmexp.prompts.target_text`)."""
     from datasets import Dataset
 
     rows = []
     for record in read_jsonl(path):
         row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record)}
         if stage == "sft":
-            row["completion"] = [{"role": "assistant", "content": target_text(record, family, budget)}]
+            row["completion"] = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
         else:
             example = parse_record(record, record["record_format"], record["task"])
             solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
@@ -37,7 +39,7 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
 
 
 def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, budget, processor,
-                           max_length: int | None, field: str) -> None:
+                           max_length: int | None, field: str, target_template: str | None = None) -> None:
     """Refuse, before any step, records whose image tokens plus prompt and answer do not fit `max_length`.
 
     TRL truncates such a sequence: cut inside the image placeholders, the model then fails with "Image
@@ -55,7 +57,8 @@ def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, b
         for width, height in record.get("image_sizes") or []:
             h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
             image_tokens += (h // budget.patch_size) * (w // budget.patch_size) // budget.merge_size ** 2
-        text = "".join(m["content"] for m in build_prompt(record, data, family)) + target_text(record, family, budget)
+        target = target_text(record, family, budget, target_template)
+        text = "".join(m["content"] for m in build_prompt(record, data, family)) + target
         total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
         if total > max_length:
             problems.append(Problem(

@@ -16,13 +16,16 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
     from trl import SFTTrainer
 
+    from vlmexp.prompts import check_sft_targets
     from vlmexp.train.data import build_dataset, check_sequence_lengths
 
     inputs = prepare_stage(cfg, "sft", mlflow_run_id=mlflow_run_id)
+    check_sft_targets(inputs.train_path, cfg.sft.target_template)
     args = trl_args(inputs)
     check_sequence_lengths(inputs.train_path, cfg.data, inputs.family, inputs.budget, inputs.processor,
-                           args.max_length, "sft.args.max_length")
-    train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft")
+                           args.max_length, "sft.args.max_length", cfg.sft.target_template)
+    train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft",
+                                  cfg.sft.target_template)
     model, peft_config = load_for_training(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))

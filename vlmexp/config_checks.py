@@ -1,0 +1,84 @@
+"""The config loader's check phase: what the pure schema (`vlmexp.config`) leaves to other modules.
+
+Each check returns (location in the config, value, problem) triples; `load_config` turns the location into
+the file:line (or override) that set it. Two kinds:
+
+- `check_names` always runs. It reads nothing and runs no user code: reward names against the registry,
+  sampling strategies and a source's `columns` against the data package. It works on the raw mapping, entry
+  by entry, so its problems come with the schema's own, all at once.
+- The checks with side effects run only when the loader is asked to: `check_trl_config` builds TRL's argument
+  classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child process
+  (its top-level code runs there), and `vlmexp.path_checks` probes the file system.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from vlmexp.config import TRAINING_STAGES, Config, DataSource, RewardSpec
+
+Loc = tuple[str | int, ...]
+Found = tuple[Loc, Any, str]  # (location in the config, value, problem with its fix)
+
+
+def check_names(raw: dict[str, Any]) -> list[Found]:
+    """Reward names and data sources of a raw (merged, overridden) config mapping; entries the schema refuses
+    are left to the schema's own problems."""
+    from vlmexp.data.sources import check_source
+    from vlmexp.rewards import check_reward_name
+
+    out: list[Found] = []
+    for loc, spec in _entries(raw, ("grpo", "rewards"), RewardSpec):
+        try:
+            check_reward_name(spec.name, import_module=False)
+        except ValueError as e:
+            out.append(((*loc, "name"), spec.name, str(e)))
+    for key in ("datasets", "val_datasets"):
+        for loc, src in _entries(raw, ("data", key), DataSource):
+            out += [((*loc, field), value, message) for field, value, message in check_source(src)]
+    return out
+
+
+def check_reward_imports(cfg: Config) -> list[Found]:
+    """Import each module:function reward's module in a child process (`vlmexp.rewards.check_custom_reward`):
+    it must import, within the time limit, and name a callable."""
+    from vlmexp.rewards import REGISTRY, check_custom_reward, check_reward_name
+
+    out: list[Found] = []
+    for i, spec in enumerate(cfg.grpo.rewards):
+        try:
+            check_reward_name(spec.name, import_module=False)
+        except ValueError:
+            continue  # check_names reports it
+        if spec.name in REGISTRY:
+            continue
+        try:
+            check_custom_reward(spec.name)
+        except ValueError as e:
+            out.append((("grpo", "rewards", i, "name"), spec.name, str(e)))
+    return out
+
+
+def check_trl_config(cfg: Config) -> list[Found]:
+    """Build each training stage's TRL config class from its `args` (`vlmexp.trl_args.check_trl_args`)."""
+    from vlmexp.trl_args import check_trl_args
+
+    out: list[Found] = []
+    for stage in TRAINING_STAGES:
+        for key, value, message in check_trl_args(stage, getattr(cfg, stage).args):
+            out.append(((stage, "args", key) if key else (stage, "args"), value, message))
+    return out
+
+
+def _entries(raw: dict[str, Any], loc: Loc, model: type[BaseModel]):
+    """(location, validated entry) of each entry of the list at `loc` in `raw` that `model` accepts."""
+    node: Any = raw
+    for key in loc:
+        node = node.get(key) if isinstance(node, dict) else None
+    for i, entry in enumerate(node if isinstance(node, list) else []):
+        try:
+            yield (*loc, i), model.model_validate(entry)
+        except ValidationError:
+            continue
