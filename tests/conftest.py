@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vlmexp.data.demo import Scenes
+
 REPO = Path(__file__).resolve().parents[1]
 # configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
 # tests that train a few steps from it take one prompt (and 8 records) per step
@@ -31,11 +33,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return Models()
 
 
+# 2-3 shapes on plain images of many sizes (not the demo recipe's): what the frame and caption tests need
+VARIED_SCENES = Scenes(width=(160, 320), height=(120, 280), objects=(2, 3), background="plain")
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     from vlmexp.data.demo import make_demo_data
 
-    return make_demo_data(tmp_path_factory.mktemp("demo") / "data", train=24, val=8, seed=0)
+    return make_demo_data(tmp_path_factory.mktemp("demo") / "data", train=24, val=8, seed=0, scenes=VARIED_SCENES)
 
 
 def write_json(path: Path, obj) -> Path:

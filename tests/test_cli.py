@@ -33,16 +33,20 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
     assert vlmexp("make-tiny-model", tmp_path / "m").returncode == 2  # refuses to overwrite
     r = vlmexp("make-demo-data", tmp_path / "d", "--train", 5, "--val", 3, "--seed", 1)
     assert r.returncode == 0, r.stderr
-    assert len(json.loads((tmp_path / "d" / "train.json").read_text())) == 5
+    rows = json.loads((tmp_path / "d" / "train.json").read_text())
+    assert len(rows) == 5 and all(r["demonstration"] != r["solution"] for r in rows)  # the demo's loose annotator
     assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 8
     r = vlmexp("make-demo-data", tmp_path / "g", "--train", 2, "--val", 1, "--width", 112, 112, "--height", 96, 96,
-               "--objects", 1, 1, "--background", "gradient")
+               "--objects", 1, 1, "--background", "gradient", "--annotator-loose", 0, "--annotator-jitter", 0)
     assert r.returncode == 0, r.stderr
+    assert all("demonstration" not in r for r in json.loads((tmp_path / "g" / "train.json").read_text()))
     from PIL import Image
 
     assert Image.open(tmp_path / "g" / "images" / "train_00000.png").size == (112, 96)
     r = vlmexp("make-demo-data", tmp_path / "b", "--width", 300, 200)
     assert r.returncode == 2 and "--width" in r.stderr and "[300, 200]" in r.stderr and not (tmp_path / "b").exists()
+    r = vlmexp("make-demo-data", tmp_path / "c", "--annotator-loose", 2)
+    assert r.returncode == 2 and "--annotator-loose" in r.stderr and "loose 2.0" in r.stderr and not (tmp_path / "c").exists()
 
 
 def test_run_demo_builds_model_and_samples(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_png, write_json, write_jsonl
+from conftest import VARIED_SCENES, make_png, write_json, write_jsonl
 
 from vlmexp.config import DataSource
 from vlmexp.data.demo import demo_folder_name
@@ -201,7 +201,7 @@ def test_demo_data_is_valid_rec_and_deterministic(tmp_path, demo_data):
 
     rows = json.loads((demo_data / "train.json").read_text())
     assert len(rows) == 24 and all(r["problem"].startswith("the ") for r in rows)
-    again = make_demo_data(tmp_path / "again", train=24, val=8, seed=0)
+    again = make_demo_data(tmp_path / "again", train=24, val=8, seed=0, scenes=VARIED_SCENES)
     assert (again / "train.json").read_text() == (demo_data / "train.json").read_text()
     with pytest.raises(FileExistsError):
         make_demo_data(again, train=2, val=2)

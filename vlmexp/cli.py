@@ -42,7 +42,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
-    from vlmexp.data.demo import Scenes, make_demo_data
+    from vlmexp.data.demo import Annotator, Scenes, make_demo_data
     from vlmexp.path_checks import check_output_dir
 
     counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
@@ -53,7 +53,12 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise VlmexpError([Problem("make-demo-data", "--width/--height/--objects",
                                    f"{e}; give LOW HIGH with 0 < LOW <= HIGH, images at least 64 pixels a side")]) from e
-    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes)
+    try:
+        annotator = Annotator(jitter=args.annotator_jitter, loose=args.annotator_loose)
+    except ValueError as e:
+        raise VlmexpError([Problem("make-demo-data", "--annotator-jitter/--annotator-loose",
+                                   f"{e}; 0 0 writes the exact boxes only")]) from e
+    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes, annotator=annotator)
     print(f"wrote {args.train} train and {args.val} val records to {out} (data YAMLs: train.yaml, val.yaml)")
     return 0
 
@@ -257,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shapes per image")
     p.add_argument("--background", choices=("plain", "gradient"), default=demo.background,
                    help="gradient: the shade encodes x and y (what configs/demo.yaml uses)")
+    p.add_argument("--annotator-loose", type=float, default=demo.annotator_loose, metavar="SHARE",
+                   help="training records' `demonstration` boxes (what SFT imitates) reach this share of the "
+                        "side beyond each edge; 0 with --annotator-jitter 0 writes no demonstration")
+    p.add_argument("--annotator-jitter", type=float, default=demo.annotator_jitter, metavar="SHARE",
+                   help="and move each edge by a uniform draw of up to this share of the side")
     p.set_defaults(func=cmd_make_demo_data)
 
     p = sub.add_parser("sample", help="sample a VLM-R1 data YAML into one JSONL file plus a manifest")

@@ -195,24 +195,24 @@ def check_scene_range(name: str, value: tuple[int, int]) -> None:
 
 
 class DemoDataConfig(Section):
-    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use. These defaults are
-    also `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them from here)."""
+    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use. The defaults are the
+    demo's recipe (configs/demo.yaml) and `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them here)."""
 
-    train: PositiveInt = Field(256, description="Training records to generate.")
-    val: PositiveInt = Field(64, description="Held-out records to generate.")
+    train: PositiveInt = Field(1024, description="Training records to generate.")
+    val: PositiveInt = Field(256, description="Held-out records to generate.")
     seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data stays "
                                      "the same across training seeds).")
-    width: tuple[PositiveInt, PositiveInt] = Field((160, 320), description="Image width range [low, high].")
-    height: tuple[PositiveInt, PositiveInt] = Field((120, 280), description="Image height range [low, high].")
-    objects: tuple[PositiveInt, PositiveInt] = Field((2, 3), description="Shapes per image [low, high].")
+    width: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image width range [low, high].")
+    height: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image height range [low, high].")
+    objects: tuple[PositiveInt, PositiveInt] = Field((1, 1), description="Shapes per image [low, high].")
     background: Literal["plain", "gradient"] = Field(
-        "plain", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
+        "gradient", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
         "has no absolute position embedding, can see where a shape is.")
     annotator_jitter: float = Field(
-        0.0, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge by a uniform "
+        0.05, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge by a uniform "
         "draw in [-j, +j] x the box's side; the reward and evaluation score against the exact box. 0: exact.")
     annotator_loose: float = Field(
-        0.0, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
+        0.25, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
         "side (a loose annotator). 0: tight.")
 
     @field_validator("width", "height", "objects")
