@@ -7,7 +7,7 @@ PIP     = $(VENV)/bin/pip
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q --durations=15
+
+# The inner loop: every test not marked slow (those that train or start servers).
+test-fast: install
+	$(VENV)/bin/python -m pytest -q -m "not slow" --durations=10
 
 clean:
 	rm -rf $(VENV) outputs

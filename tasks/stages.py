@@ -21,7 +21,7 @@ from vlmexp.results import Evaluation, PipelineResult, SampledData, StageResult
 
 def _key(prefix: str):
     def cache_key(context, parameters: dict[str, Any]) -> str:
-        # "v2": since issue 17 the tasks return typed results (vlmexp.results), not dicts; results persisted
+        # "v2": the tasks return typed results (vlmexp.results), not dicts; results persisted
         # in the dict shape are under the old "vlmexp-<prefix>-" keys and are never read back
         return f"vlmexp-v2-{prefix}-{parameters['key']}"
 

@@ -1,4 +1,4 @@
-"""The benchmarks run here at small sizes, so they stay working between the sessions that record figures."""
+"""The benchmarks run here at small sizes, so they keep working between the runs that record figures."""
 
 from __future__ import annotations
 
@@ -176,3 +176,23 @@ def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp
     bad = subprocess.run([sys.executable, "bench/demo_matrix.py", "--table", "--out-dir", str(tmp_path / "none")],
                          check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode != 0 and "no cell JSON" in bad.stderr
+
+
+def test_readme_demo_table_is_the_recorded_matrix():
+    """The README's demo table is generated from bench/results/demo_matrix/*.json and claims what they show."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_matrix", REPO / "bench" / "demo_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    folder = REPO / "bench" / "results" / "demo_matrix"
+    readme = (REPO / "README.md").read_text()
+    start, end = (readme.index(m) for m in matrix.MARKERS)
+    assert readme[start + len(matrix.MARKERS[0]):end].strip() == matrix.table(folder).strip(), (
+        "README demo table is stale: run .venv/bin/python bench/demo_matrix.py --table --readme README.md")
+    cells = [json.loads(p.read_text()) for p in folder.glob("seed*.json")]
+    assert {c["seed"] for c in cells} >= {42, 7, 1} and {c["arithmetic"] for c in cells} >= {"default", "avx2"}
+    for c in cells:  # the README's claim, cell by cell
+        for stage, g in c["gains_over_sft"].items():
+            assert g["gain"] >= 0.03 and g["gain"] >= 3 * g["se"], (c["seed"], c["arithmetic"], stage, g)
+        assert c["metrics"]["grpo"]["rec_acc50"] >= c["metrics"]["sft"]["rec_acc50"]

@@ -224,15 +224,16 @@ def test_validate_cli_exit_codes(tmp_path):
     assert schema.returncode == 0, schema.stderr
 
 
-def test_readme_config_reference_is_current():
-    from vlmexp.config_reference import render_reference
+def test_docs_config_reference_is_current():
+    from vlmexp.config_reference import REFERENCE_HEADER, render_reference
 
-    readme = (REPO / "README.md").read_text()
-    assert render_reference() in readme, "README config reference is stale: paste `vlmexp config-reference`"
+    text = (REPO / "docs" / "config-reference.md").read_text()
+    assert text == REFERENCE_HEADER + render_reference(), (
+        "docs/config-reference.md is stale: .venv/bin/vlmexp config-reference --write docs/config-reference.md")
 
 
 def test_every_config_field_has_a_description():
-    """Each field says what it is for (TRL documents every field); the README reference shows it."""
+    """Each field says what it is for (TRL documents every field); docs/config-reference.md shows it."""
     from vlmexp.config_reference import config_sections
 
     missing = [f"{name}.{key}".lstrip(".") for name, model in config_sections()

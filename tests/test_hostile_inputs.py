@@ -173,7 +173,7 @@ def test_safe_defaults(world, tmp_path, capsys):
     assert "unknown reward" in err and not planted.exists()
 
 
-# --- files that are not what a config or data YAML should be (issue 18) ---------------------------------
+# --- files that are not what a config or data YAML should be ---------------------------------
 
 def _laughs(levels: int = 7) -> str:
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']

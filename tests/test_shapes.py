@@ -1,7 +1,7 @@
 """Every model shape the benchmarks and shipped configs name builds, runs a forward pass with an image, and generates.
 
 The GPU benchmark once crashed in its first forward at Qwen2.5-VL-3B's depth (a two-entry `layer_types` left
-from the tiny model's config, issue 20) while its CPU test ran only the tiny shape. Here each published shape
+from the tiny model's config) while its CPU test ran only the tiny shape. Here each published shape
 (vlmexp.tiny.SHAPES, whose comments give the source of each number) is checked twice:
 - at its exact sizes on the meta device (no memory): the config's per-layer lists match the depth and the
   parameter count is the published one;

@@ -226,9 +226,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    from vlmexp.config_reference import render_reference
+    from vlmexp.config_reference import REFERENCE_HEADER, render_reference
 
-    print(render_reference(), end="")
+    if args.write is None:
+        print(render_reference(), end="")
+        return 0
+    from vlmexp.files import atomic_write
+
+    atomic_write(Path(args.write), REFERENCE_HEADER + render_reference())
+    print(f"wrote the config reference to {args.write}")
     return 0
 
 
@@ -327,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("config-reference", help="print the config reference (markdown)")
+    p.add_argument("--write", metavar="FILE", default=None, help="write it, with its title, to FILE instead "
+                   "(docs/config-reference.md)")
     p.set_defaults(func=cmd_config_reference)
     return parser
 

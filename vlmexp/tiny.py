@@ -164,7 +164,7 @@ def model_config(family: Family, spec: TinySpec, tokenizer):
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         # transformers 5 reads one entry per layer; a list left from another depth fails the first forward
-        # with IndexError in the attention layer (issue 20)
+        # with IndexError in the attention layer
         layer_types=["full_attention"] * spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,

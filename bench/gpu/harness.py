@@ -1,4 +1,4 @@
-"""Part 2 of issue 20 in one go: both training stages at Qwen2.5-VL-3B's shape on one GPU, results as JSON.
+"""Both training stages at Qwen2.5-VL-3B's shape on one GPU, results as JSON.
 
     bench/gpu/run.sh OUT_DIR                 # on the GPU box (installs .whl/ first; see bench/gpu/README.md)
     python bench/gpu/harness.py OUT_DIR [--tiny] [--dry-run] [--only CASE,...] [--budget-s 540]

@@ -22,7 +22,7 @@ sizes per generation batch then train with HF generate. vLLM colocate shares the
 (`_generate_and_score_completions` builds the same forward inputs whatever generated the completions), so
 the fix and the guard hold there too. vLLM has a separate, known fault of its own in trl 1.16: it receives
 prompt ids with the image placeholders already expanded plus the raw image and may expand them again
-(huggingface/trl#6401, fix proposed in #6718); the guard sees the tensors the loss uses, not vLLM's
+(huggingface/trl#6294, open; fixes proposed in #6718 and #6719); the guard sees the tensors the loss uses, not vLLM's
 internal prompt, so check vLLM rollouts against HF generate before trusting them.
 
 Guard: every micro-batch that reaches the loss is checked per sample against its own record (the image
