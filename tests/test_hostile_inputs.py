@@ -32,6 +32,8 @@ def world(tmp_path_factory, tiny_models):
     make_png(img / "dot.png", (1, 1))
     make_png(img / "strip.png", (1000, 4))
     make_png(img / "huge.png", (1400, 1400))
+    os.symlink("loop.png", img / "loop.png")  # a link to itself
+    os.mkfifo(img / "pipe.png")  # a named pipe: reading it would block until someone writes
     return {"root": root, "img": img, "model": tiny_models["qwen2_5_vl"]}
 
 
@@ -114,10 +116,14 @@ DATA_CASES = {
     "missing field": (dict(rows=[GOOD, {"image": "a.png", "solution": [2, 2, 9, 9], "answer_key": 1}]),
                       ["d.jsonl:2", "missing field 'problem'"]),
     "unknown format": (dict(rows=[{"img": "a.png", "question": "q"}]), ["d.jsonl:1", "unknown record format",
-                                                                       "Data formats"]),
+                                                                       "docs/data-formats.md"]),
     "sampling count above the rows": (dict(rows=[GOOD], strategy="first:5"), ["sampling_strategy",
                                                                               "asks for 5 rows but the file has 1"]),
     "missing image": (dict(rows=_rows(image="nope.png")), ["d.jsonl:2", "image not found", "nope.png", "image_root"]),
+    "image path that is a symlink loop": (dict(rows=_rows(image="loop.png")), ["d.jsonl:2", "loop.png",
+                                                                              "points back to itself"]),
+    "image path that is a named pipe": (dict(rows=_rows(image="pipe.png")), ["d.jsonl:2", "pipe.png",
+                                                                            "is a named pipe, not a file"]),
     "truncated image": (dict(rows=_rows(image="trunc.png")), ["d.jsonl:2", "unreadable image", "trunc.png"]),
     "non-image file": (dict(rows=_rows(image="text.png")), ["d.jsonl:2", "unreadable image", "text.png"]),
     "one-pixel image": (dict(rows=_rows(image="dot.png", solution=[0, 0, 1, 1])), ["d.jsonl:2", "1x1 pixels",

@@ -86,7 +86,7 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
         fmt = record.get("record_format") or detect_format(record)
         if fmt not in FORMATS:
             problems.append(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
-                                               f"{', '.join(FORMATS)}: see README 'Data formats'"))
+                                               f"{', '.join(FORMATS)}: see docs/data-formats.md"))
             continue
         try:
             example = parse_record(record, fmt, record.get("task"))

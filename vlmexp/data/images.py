@@ -76,7 +76,11 @@ class ImageStore:
     def _resolve_path(self, value: str, image_root: str | None) -> Checked:
         if image_root is None and not Path(value).expanduser().is_absolute():
             return f"relative image path {describe(value)} in a source with no image folder; set the source's image_root"
-        path = str((Path(image_root or "/") / Path(value).expanduser()).resolve())
+        joined = Path(image_root or "/") / Path(value).expanduser()
+        try:
+            path = str(joined.resolve())
+        except (RuntimeError, OSError) as e:  # RuntimeError: a symlink loop (Python < 3.13), OSError: ELOOP
+            return f"image path {joined} cannot be resolved ({e}); a symlink points back to itself: fix the link"
         if path not in self._seen:
             self._seen[path] = self._check_file(path)
         return self._seen[path]
@@ -84,7 +88,10 @@ class ImageStore:
     def _check_file(self, path: str) -> Checked:
         p = Path(path)
         if not p.is_file():
-            return f"image not found: {path}; fix the path or the source's image_root"
+            kind = _file_kind(p)
+            if kind is None:
+                return f"image not found: {path}; fix the path or the source's image_root"
+            return f"image path {path} is a {kind}, not a file (not opened); point the record at an image file"
         try:
             with p.open("rb") as f:
                 head = f.read()
@@ -125,6 +132,19 @@ def _bytes_of(value: Any) -> tuple[bytes, str | None]:
     fmt = value.format or "PNG"
     value.save(buf, format=fmt)
     return buf.getvalue(), None
+
+
+def _file_kind(path: Path) -> str | None:
+    """What stands at `path` when it is not a regular file: a folder, a named pipe, ...; None when nothing does."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def check_image_bytes(data: bytes, label: str) -> tuple[str, tuple[int, int]] | str:

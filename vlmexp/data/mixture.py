@@ -124,7 +124,7 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[d
         fmt = fmt or detect_format(record)
         if fmt is None:
             raise DataError(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
-                                               f"{', '.join(FORMATS)}: see README 'Data formats', or map the "
+                                               f"{', '.join(FORMATS)}: see docs/data-formats.md, or map the "
                                                f"source's columns with `columns:`"))
         kept = _check_record(record, fmt, src, where, image_root, store)
         if isinstance(kept, Problem):
