@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmexp.files import atomic_write, new_folder
+from vlmexp.files import MARKER, atomic_write, new_folder
 
 
 def test_atomic_write_replaces_whole_and_leaves_the_old_file_when_it_fails(tmp_path):
@@ -22,6 +22,7 @@ def test_new_folder_appears_complete_or_not_at_all(tmp_path):
         (tmp / "x.txt").write_text("x")
         assert not (tmp_path / "out").exists()
     assert (tmp_path / "out" / "x.txt").read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert '"made_by": "vlmexp"' in (tmp_path / "out" / MARKER).read_text()  # marked as vlmexp's
     with pytest.raises(RuntimeError, match="interrupted"), new_folder(tmp_path / "other") as tmp:
         (tmp / "half.txt").write_text("half")
         raise RuntimeError("interrupted")
@@ -35,12 +36,26 @@ def test_new_folder_appears_complete_or_not_at_all(tmp_path):
 
 
 def test_new_folder_replace_swaps_the_old_folder_only_when_the_new_one_is_complete(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "old.txt").write_text("old")
+    with new_folder(tmp_path / "out") as tmp:
+        (tmp / "old.txt").write_text("old")
     with pytest.raises(RuntimeError, match="interrupted"), new_folder(tmp_path / "out", replace=True) as tmp:
         (tmp / "new.txt").write_text("half")
         raise RuntimeError("interrupted")
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [MARKER, "old.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
     with new_folder(tmp_path / "out", replace=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [MARKER, "new.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_new_folder_never_replaces_a_folder_vlmexp_did_not_make(tmp_path):
+    user = tmp_path / "mine"
+    (user / "notes").mkdir(parents=True)
+    (user / "todo.txt").write_text("keep")
+    (user / "notes" / "a.md").write_text("keep too")
+    with pytest.raises(FileExistsError, match=f"{user} holds files vlmexp did not make"):
+        with new_folder(user, replace=True) as tmp:
+            raise AssertionError("the block must not run")  # refused before any work
+    assert (user / "todo.txt").read_text() == "keep" and (user / "notes" / "a.md").read_text() == "keep too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary left

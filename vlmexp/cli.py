@@ -152,14 +152,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vlmexp.config_loader import dump_config, load_config
     from vlmexp.export import export_model
-    from vlmexp.path_checks import check_checkpoint, check_output_dir
+    from vlmexp.path_checks import check_checkpoint, check_output_dir, check_replaceable_folder, data_paths
     from vlmexp.tracking import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
-    out = Path(args.out or Path(cfg.run.output_dir) / "export")
+    out = Path(args.out or Path(cfg.run.output_dir) / "export").expanduser()
     file = out.exists() and not out.is_dir() and f"{out} is a file, not a folder; choose another path"
     check_arguments("export", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
-                    ("--out", str(out), file or check_output_dir(out.parent)))  # replaced as a whole, from beside
+                    ("--out", str(out), file or check_output_dir(out.parent)  # replaced as a whole, from beside
+                     or check_replaceable_folder(out, data_paths(cfg, args.checkpoint))))
     with tempfile.TemporaryDirectory() as tmp:
         resolved = dump_config(cfg, Path(tmp) / "config.resolved.yaml")
         export_model(cfg, args.checkpoint, out, {"config": args.config, "overrides": args.overrides,

@@ -56,6 +56,12 @@ def check_config_paths(cfg: Config) -> list[Found]:
         out.append((("model", "path"), cfg.model.path, msg))
     if msg := check_output_dir(cfg.run.output_dir):
         out.append((("run", "output_dir"), cfg.run.output_dir, msg))
+    else:
+        from vlmexp.config import TRAINING_STAGES
+
+        for stage in TRAINING_STAGES:
+            if getattr(cfg, stage).enabled and (msg := foreign_stage_dir(Path(cfg.run.output_dir) / stage)):
+                out.append((("run", "output_dir"), cfg.run.output_dir, msg))
     d = cfg.data
     out += _check_sources(d.datasets or [], ("data", "datasets"))
     out += _check_sources(d.val_datasets or [], ("data", "val_datasets"))
@@ -111,6 +117,61 @@ def check_output_dir(path: str | Path) -> str | None:
         doing = "written" if existing == p else f"created ({existing} cannot be written)"
         return f"the folder {p} cannot be {doing}: {e.strerror or e}; choose a writable place"
     return None
+
+
+def data_paths(cfg: Config, *models: str) -> dict[str, str]:
+    """The local files and folders a config reads (data sources, data YAMLs, image roots) and `models`, by
+    what they are: what an output folder must never be or hold."""
+    from vlmexp.data.sources import load_data_yaml, locate
+
+    found: dict[str, str] = {f"the model {m}": m for m in models if m and Path(m).exists()}
+    d = cfg.data
+    sources = list(d.datasets or []) + list(d.val_datasets or [])
+    for yaml_path in (d.data_yaml, d.val_data_yaml):
+        if yaml_path and Path(yaml_path).is_file():
+            found[f"the data YAML {yaml_path}"] = yaml_path
+            try:
+                sources += load_data_yaml(yaml_path)
+            except DataError:
+                pass  # reported by check_config_paths; nothing of it can be protected
+    for src in sources:
+        where = locate(src.json_path)
+        if where.kind != "hub":
+            found[f"the data source {src.json_path}"] = str(Path(where.path).parent if where.kind == "shards" and
+                                                            not Path(where.path).is_dir() else where.path)
+        if src.image_root:
+            found[f"the image root {src.image_root}"] = src.image_root
+    return found
+
+
+def check_replaceable_folder(path: str | Path, protected: dict[str, str | Path] | None = None) -> str | None:
+    """None when vlmexp may replace the folder `path` as a whole; else why not and the fix. Refused: a folder
+    holding anything vlmexp did not make (no marker; an empty one is fine), and a folder that is, or holds,
+    the working folder, the home folder, this checkout of vlmexp, or any `protected` path (name -> path: data
+    sources, image roots). Symlinks are followed: a link to a user's folder is that folder."""
+    from vlmexp.files import foreign_content
+
+    p = Path(path).expanduser()
+    target = p.resolve()
+    guarded = {"the working folder": Path.cwd(), "your home folder": Path.home(),
+               "the vlmexp checkout": Path(__file__).resolve().parents[1], **(protected or {})}
+    for name, value in guarded.items():
+        q = Path(value).expanduser().resolve()
+        if q == target or target in q.parents:
+            return (f"{p} is or holds {name} ({q}), and vlmexp replaces its output folder as a whole; choose a "
+                    f"folder of its own, e.g. {p / 'export'}")
+    return foreign_content(target)
+
+
+KEY_FILE = "stage_key.json"  # in each stage folder: the inputs it belongs to (vlmexp.stage_runner)
+
+
+def foreign_stage_dir(stage_dir: Path) -> str | None:
+    """Why `stage_dir` is not vlmexp's to archive and reuse (it holds files but no stage key), or None."""
+    if not stage_dir.exists() or (stage_dir / KEY_FILE).is_file() or (stage_dir.is_dir() and not any(stage_dir.iterdir())):
+        return None
+    return (f"{stage_dir} holds files that no vlmexp stage wrote (no {KEY_FILE}); vlmexp moves or reuses only its "
+            "own stage folders: set run.output_dir to a folder of the run's own, or move that folder away")
 
 
 def check_output_file(path: str | Path) -> str | None:

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from vlmexp.config import Config
+from vlmexp.path_checks import KEY_FILE, foreign_stage_dir
 from vlmexp.results import Evaluation, Result, StageResult
 
 R = TypeVar("R", bound=Result)
 
 RESOLVED_NAME = "config.resolved.yaml"
 PENDING_NAME = ".config.pending.yaml"
-KEY_FILE = "stage_key.json"
 
 
 class StageFailed(RuntimeError):
@@ -109,6 +109,10 @@ def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
     folder when `fresh`, is moved to <output_dir>/archive/ (never deleted), so a resume only ever
     continues a run of the same inputs."""
     previous = read_key(stage_dir)
+    if refused := foreign_stage_dir(stage_dir):
+        from vlmexp.errors import ConfigError, Problem
+
+        raise ConfigError(Problem("run.output_dir", stage_dir.name, refused, str(stage_dir.parent)))
     if stage_dir.exists() and (fresh or previous != key) and any(stage_dir.iterdir()):
         archive = stage_dir.parent / "archive" / f"{stage_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{(previous or 'unknown')[:8]}"
         archive.parent.mkdir(parents=True, exist_ok=True)
