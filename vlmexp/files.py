@@ -60,7 +60,7 @@ def new_folder(path: str | Path, replace: bool = False, what: str = "") -> Itera
     be absent or empty (FileExistsError, checked before the block runs); with it, a folder vlmexp made may be
     there, and is swapped out after the block and deleted, so a reader sees the old folder or the new one,
     never a mix. A folder vlmexp did not make is never replaced (FileExistsError, before the block runs)."""
-    out = Path(path)
+    out = Path(path).expanduser().resolve()  # `a/..`, `~` and links name the folder they lead to
     if not replace and out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: choose a new folder or delete it first")
     refused = foreign_content(out)
