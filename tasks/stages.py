@@ -76,12 +76,12 @@ def sample_data(pending: str) -> SampledData:
 def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
     from vlmexp.stage_runner import load_resolved
-    from vlmexp.tracking import flatten, make_tracker, redacted_yaml, run_tags
+    from vlmexp.tracking import flatten, make_tracker, redact, redacted_yaml, run_tags
 
     cfg = load_resolved(resolved)
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline(
-        f"{cfg.run.name}-pipeline", flatten(cfg.model_dump(mode="json"), "config."),
+        f"{cfg.run.name}-pipeline", flatten(redact(cfg.model_dump(mode="json")), "config."),
         run_tags({"prefect.flow_run_id": flow_run_id, "data.manifest_sha256": data_hash}))
     tracker.log_text(parent, redacted_yaml(resolved), Path(resolved).name)  # secrets in the config stay out
     for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
