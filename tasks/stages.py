@@ -40,12 +40,14 @@ def validate_config(config: str, overrides: list[str]) -> str:
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
     """Retry a failed task unless it failed on bad input (a VlmexpError): the same input fails the same way,
-    while a Hub outage or a full disk may pass on the next try."""
+    while a Hub outage or a full disk may pass on the next try. An interrupted stage (Ctrl-C, SIGTERM, a
+    cancel) is a stop, never retried."""
     from vlmexp.errors import VlmexpError
+    from vlmexp.stage_runner import StageInterrupted
 
     try:
         state.result()
-    except VlmexpError:
+    except (VlmexpError, StageInterrupted, KeyboardInterrupt):
         return False
     except BaseException:
         return True

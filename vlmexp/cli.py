@@ -347,14 +347,31 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or not all("=" in x and not x.startswith("-") for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    import signal
+
+    def terminated(signum, frame):  # SIGTERM stops a run as Ctrl-C does: its stage processes are stopped too
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers only go there
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
         return args.func(args)
+    except KeyboardInterrupt as e:
+        stopped_by_term = str(e) == f"signal {int(signal.SIGTERM)}"
+        print(f"stopped by {'SIGTERM' if stopped_by_term else 'Ctrl-C'}; run the same command again to resume",
+              file=sys.stderr)
+        return 143 if stopped_by_term else 130
     except VlmexpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -29,6 +29,45 @@ class StageFailed(RuntimeError):
     """A stage's process exited non-zero; the message has the exit code and its last output lines."""
 
 
+class StageInterrupted(StageFailed):
+    """A stage's process was stopped by SIGINT or SIGTERM (Ctrl-C, a cancel): a stop, not a failure to retry."""
+
+
+INTERRUPT_CODES = (130, 143, -2, -15)  # exit codes of a process ended by SIGINT / SIGTERM (shell and Popen forms)
+
+
+def stop_process_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop `proc` gently (SIGTERM), then every process it started, wherever they went: the descendants are
+    listed before the launcher is signalled, so workers that torchrun starts in their own sessions, and that
+    outlive it, are found too. SIGKILL for what is still alive after `grace` seconds."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    alive = [p for p in tree if p.is_running()]
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
 def check_pipeline_parameters(config: object, overrides: object) -> None:
     """The flow's parameters as a deployment may pass them: `config` a path, `overrides` a list of k=v
     strings. Raises ConfigError naming the parameter, the value and the fix."""
@@ -184,10 +223,13 @@ def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str
             (progress.redraw if raw.endswith("\r") else progress.line)(line)
         progress.flush()
         rc = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM (raised as KeyboardInterrupt by the command line), a cancel
+        stop_process_tree(proc)
         raise
+    if rc in INTERRUPT_CODES:
+        stop_process_tree(proc)  # the launcher is gone; its workers may not be
+        raise StageInterrupted(f"{' '.join(cmd[:3])} ... was stopped by a signal (exit code {rc}); last lines:\n"
+                               + "\n".join(last))
     if rc != 0:
         raise StageFailed(f"{' '.join(cmd[:3])} ... exited with code {rc}; last lines:\n" + "\n".join(last))
 
