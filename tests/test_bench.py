@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_grpo_bench_runs_at_the_tiny_shape(tmp_path):
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "bench/gpu_grpo.py", "--tiny", "--repeats", "1", "--out", str(out)],
@@ -46,6 +47,7 @@ def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
                       "flow end": 0.25, "exit after the last log line": 0.75}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["processes", "in-process"])
 def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
     out = tmp_path / "r.json"
@@ -72,6 +74,7 @@ def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
     assert 0 < plain <= 48 and abs(ours - plain) <= 0.02 * plain
 
 
+@pytest.mark.slow
 def test_grpo_defaults_bench_measures_each_variant(tmp_path):
     out = tmp_path / "d.json"
     r = subprocess.run([sys.executable, "bench/grpo_defaults.py", "--rounds", "1", "--steps", "4",
@@ -135,6 +138,7 @@ def test_gpu_harness_tiny_trains_both_stages_without_mlflow_or_prefect(tmp_path)
     assert grpo["figures"]["generated_tokens_per_step"] == 16 and grpo["figures"]["update_s"] > 0
 
 
+@pytest.mark.slow
 def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "bench/grpo_guard.py", "--steps", "3", "--prompts-per-step", "2",
@@ -146,6 +150,7 @@ def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
     assert 0 < result["guard_s_per_step"]["median"] < result["step_time_s"]["median"]
 
 
+@pytest.mark.slow
 def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp_path):
     """One cell: SFT, GRPO and DPO from the same SFT model, under an arithmetic set by environment, in its own
     process; the JSON says what the process computed with; --table writes between the README's markers."""

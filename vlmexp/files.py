@@ -43,6 +43,13 @@ def made_by_vlmexp(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def mark_folder(folder: str | Path, what: str) -> None:
+    """Mark `folder` as one vlmexp made: what it is and the command that made it (never its arguments)."""
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]])
+    marker = {"made_by": "vlmexp", "what": what, "command": command}
+    (Path(folder) / MARKER).write_text(json.dumps(marker) + "\n")
+
+
 def foreign_content(folder: str | Path) -> str | None:
     """Why vlmexp may not replace or clear `folder`, or None: it is absent, empty, or made by vlmexp."""
     p = Path(folder)
@@ -70,9 +77,7 @@ def new_folder(path: str | Path, replace: bool = False, what: str = "") -> Itera
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
-        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]])  # the subcommand, never its arguments
-        marker = {"made_by": "vlmexp", "what": what or out.name, "command": command}
-        (tmp / MARKER).write_text(json.dumps(marker) + "\n")
+        mark_folder(tmp, what or out.name)
         old = None
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent)) / out.name

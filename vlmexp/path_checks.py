@@ -167,10 +167,13 @@ KEY_FILE = "stage_key.json"  # in each stage folder: the inputs it belongs to (v
 
 
 def foreign_stage_dir(stage_dir: Path) -> str | None:
-    """Why `stage_dir` is not vlmexp's to archive and reuse (it holds files but no stage key), or None."""
-    if not stage_dir.exists() or (stage_dir / KEY_FILE).is_file() or (stage_dir.is_dir() and not any(stage_dir.iterdir())):
+    """Why `stage_dir` is not vlmexp's to archive and reuse (it holds files, but neither the pipeline's stage key
+    nor the marker `vlmexp train` leaves), or None."""
+    from vlmexp.files import MARKER, foreign_content
+
+    if (stage_dir / KEY_FILE).is_file() or foreign_content(stage_dir) is None:
         return None
-    return (f"{stage_dir} holds files that no vlmexp stage wrote (no {KEY_FILE}); vlmexp moves or reuses only its "
+    return (f"{stage_dir} holds files that no vlmexp stage wrote (no {KEY_FILE} or {MARKER}); vlmexp moves or reuses only its "
             "own stage folders: set run.output_dir to a folder of the run's own, or move that folder away")
 
 

@@ -48,6 +48,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
 
     from vlmexp.data.splits import prepare_data
     from vlmexp.families import detect_family
+    from vlmexp.files import mark_folder
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor, pixel_budget
     from vlmexp.train.checkpoints import last_checkpoint
@@ -73,6 +74,9 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
+    if state.is_main_process and (not stage_dir.exists() or not any(stage_dir.iterdir())):
+        stage_dir.mkdir(exist_ok=True)  # marked as made here, so a re-run may resume in it
+        mark_folder(stage_dir, f"{stage} stage")
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, pixel_budget(processor), train_path,
