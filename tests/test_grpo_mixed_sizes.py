@@ -53,7 +53,7 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     import rewards_for_tests
     import torch
 
-    from vlmexp.train.checkpoints import train_and_save
+    from vlmexp.train.stage import train_and_save
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import expected_grid
 

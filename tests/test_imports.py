@@ -1,6 +1,6 @@
 """The library's modules import one another without cycles (a cycle makes the import order matter and hides
-which module a function belongs in). Read from the source: every `import vlmexp...`, at top level or inside a
-function; imports under `if TYPE_CHECKING:` are for annotations only (never executed) and do not count."""
+which module a function belongs in). Read from the source: every `import vlmexp...`, at top level, inside a
+function or under `if TYPE_CHECKING:` (an annotation that needs a module is a dependency on it too)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ def _graph() -> dict[str, set[str]]:
         name = ".".join(path.relative_to(LIBRARY.parent).with_suffix("").parts).removesuffix(".__init__")
         deps = set()
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmexp"):
                 deps.add(node.module)
             elif isinstance(node, ast.Import):

@@ -10,15 +10,12 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vlmexp.config import Config, ModelConfig, StageConfig
 from vlmexp.errors import ConfigError, Problem
 from vlmexp.families import TINY_PREFIX, Family, detect_family, get_family
 from vlmexp.path_checks import is_hub_id
-
-if TYPE_CHECKING:
-    from vlmexp.train.stage import StageInputs
 
 log = logging.getLogger("vlmexp.model")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -93,7 +90,7 @@ def load_pretrained(cfg: Config, model_path: str, family: Family, quantize_4bit:
     )
 
 
-def merged_start(inputs: StageInputs, adapter: str) -> str:
+def merged_start(cfg: Config, adapter: str, family: Family, processor: Any, stage_dir: Path) -> str:
     """Merge an adapter into its base once, under <stage_dir>/start-merged, and return that folder.
 
     A folder on disk (not an in-memory merge) so GRPO's reference model, loaded from the policy's
@@ -104,29 +101,30 @@ def merged_start(inputs: StageInputs, adapter: str) -> str:
 
     from vlmexp.files import new_folder
 
-    target = inputs.stage_dir / "start-merged"
-    inputs.stage_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(inputs.stage_dir / ".merge.lock"):  # one rank merges, the others wait and reuse
+    target = stage_dir / "start-merged"
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(stage_dir / ".merge.lock"):  # one rank merges, the others wait and reuse
         if not (target / "config.json").is_file():
-            base = load_pretrained(inputs.cfg, adapter_base(adapter), inputs.family)
+            base = load_pretrained(cfg, adapter_base(adapter), family)
             merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
             with new_folder(target, replace=True) as tmp:  # replace: a folder without config.json is a leftover
                 merged.save_pretrained(str(tmp), is_main_process=True)
-                inputs.processor.save_pretrained(str(tmp))
+                processor.save_pretrained(str(tmp))
             log.info("merged adapter %s into %s", adapter, target)
     return str(target.resolve())
 
 
-def load_for_training(inputs: StageInputs):
+def load_for_training(cfg: Config, stage_cfg: StageConfig, path: str, family: Family, processor: Any,
+                      stage_dir: Path, resume_from: str | None):
     """(model, peft_config for the trainer or None). Handles full, LoRA, QLoRA and starting from an adapter:
-    `grpo.sft_adapter: merge` merges it first, `continue` keeps training it."""
-    stage_cfg, path = inputs.stage_cfg, inputs.model_path
+    `grpo.sft_adapter: merge` merges it first (into `stage_dir`), `continue` keeps training it; the weights
+    of a full-model checkpoint `resume_from` are loaded here."""
     base = adapter_base(path)
     if base is not None and getattr(stage_cfg, "sft_adapter", "merge") == "merge":
-        path, base = merged_start(inputs, path), None
+        path, base = merged_start(cfg, path, family, processor, stage_dir), None
     qlora = stage_cfg.peft is not None and stage_cfg.peft.method == "qlora"
     weights = base or path
-    ckpt = inputs.resume_from
+    ckpt = resume_from
     if ckpt and (Path(ckpt) / "config.json").is_file() and not (Path(ckpt) / "adapter_config.json").is_file():
         # Full-model resume: the Trainer restores optimizer, scheduler, RNG and step, but loads the weights
         # with a plain load_state_dict that skips transformers' key conversion, so a Qwen-VL checkpoint
@@ -135,7 +133,7 @@ def load_for_training(inputs: StageInputs):
         # and warns about the other keys: that warning is expected.
         log.info("loading the weights to resume from %s through from_pretrained (transformers#43701)", ckpt)
         weights = ckpt
-    model = load_pretrained(inputs.cfg, weights, inputs.family, quantize_4bit=qlora)
+    model = load_pretrained(cfg, weights, family, quantize_4bit=qlora)
     model.config._name_or_path = base or path  # GRPO builds its reference model from this: the start model
     if base is not None:
         from peft import PeftModel

@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.modeling import load_for_training
-from vlmexp.train.checkpoints import train_and_save
-from vlmexp.train.stage import StageInputs, prepare_stage, trl_args
+from vlmexp.train.stage import StageInputs, load_model, prepare_stage, train_and_save, trl_args
 
 log = logging.getLogger("vlmexp.train")
 PAIRS_FILE, SUMMARY_FILE = "pairs.jsonl", "pairs.json"
@@ -37,7 +35,7 @@ def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any]
     args = trl_args(inputs)
     pairs = load_pairs(inputs)
     train_dataset = build_pair_dataset(pairs)
-    model, peft_config = load_for_training(inputs)
+    model, peft_config = load_model(inputs)
     trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.modeling import load_for_training, vision_token_ids
-from vlmexp.train.checkpoints import train_and_save
-from vlmexp.train.stage import prepare_stage, trl_args
+from vlmexp.modeling import vision_token_ids
+from vlmexp.train.stage import load_model, prepare_stage, train_and_save, trl_args
 
 
 def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = (),
@@ -34,7 +33,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
-    model, peft_config = load_for_training(inputs)
+    model, peft_config = load_model(inputs)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,

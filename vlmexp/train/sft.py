@@ -7,9 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.modeling import load_for_training
-from vlmexp.train.checkpoints import train_and_save
-from vlmexp.train.stage import prepare_stage, trl_args
+from vlmexp.train.stage import load_model, prepare_stage, train_and_save, trl_args
 
 
 def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None) -> Path:
@@ -26,7 +24,7 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
                            args.max_length, "sft.args.max_length", cfg.sft.target_template)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft",
                                   cfg.sft.target_template)
-    model, peft_config = load_for_training(inputs)
+    model, peft_config = load_model(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))

@@ -1,5 +1,6 @@
-"""What every stage entry point does the same way: seed, model and processor, sampled data, the MLflow run it
-logs into, and the TRL arguments.
+"""A training stage's life, what every stage entry point does the same way: seed, model and processor, sampled
+data, the MLflow run it logs into, the TRL arguments, the model to train, then training (resuming from the
+newest complete checkpoint), saving final/ and closing the run.
 
 A stage process is told its state explicitly: the config (its tracking store, its data section) and, when
 the pipeline started it, `--mlflow-run-id` (the stage's child run). Nothing reaches it through environment
@@ -10,6 +11,7 @@ samples only when the sampled files are not those the config asks for, and logs 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 from vlmexp.config import Config, StageConfig
 from vlmexp.families import Family
-from vlmexp.tracking import StageRun, open_stage_run
+from vlmexp.tracking import StageRun, close_stage_run, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
 
@@ -51,7 +53,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.files import mark_folder
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor, pixel_budget
-    from vlmexp.train.checkpoints import last_checkpoint
 
     check_hardware(getattr(cfg, stage), stage)
     set_seed(cfg.run.seed)
@@ -103,3 +104,67 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
         pipeline["deepspeed"] = cfg.launch.deepspeed
     return build_trl_config(inputs.stage, inputs.stage_cfg.args, str(inputs.stage_dir), **pipeline)
 
+
+def load_model(inputs: StageInputs):
+    """(model, peft_config for the trainer or None): the stage's start model as its config says to train it."""
+    from vlmexp.modeling import load_for_training
+
+    return load_for_training(inputs.cfg, inputs.stage_cfg, inputs.model_path, inputs.family, inputs.processor,
+                             inputs.stage_dir, inputs.resume_from)
+
+
+def last_checkpoint(stage_dir: Path) -> str | None:
+    """Newest complete `checkpoint-N` folder, or None.
+
+    The Trainer writes trainer_state.json last; a checkpoint whose state file is missing or does not
+    parse was cut off while saving and is skipped (with a warning), falling back to the one before.
+    """
+    if not stage_dir.is_dir():
+        return None
+    candidates = sorted((p for p in stage_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                        key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    for ckpt in candidates:
+        try:
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            if state.get("global_step") == int(ckpt.name.split("-")[-1]):
+                return str(ckpt)
+        except (OSError, ValueError):
+            pass
+        log.warning("skipping incomplete checkpoint %s (no readable trainer_state.json)", ckpt)
+    return None
+
+
+def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
+    """Train (resuming from the newest complete checkpoint) and save model (or adapter) + processor to final/."""
+    log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
+    run = inputs.run
+    if inputs.resume_from and run is not None:
+        from vlmexp.train.callbacks import SkipLoggedSteps, last_logged_step
+
+        last = last_logged_step(run.uri, run.run_id)
+        log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
+        trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
+    try:
+        trainer.train(resume_from_checkpoint=inputs.resume_from)
+    except BaseException:
+        close_stage_run(run, finished=False)
+        raise
+    close_stage_run(run, finished=True)
+    final = inputs.stage_dir / "final"
+    trainer.save_model(str(final))
+    if trainer.args.should_save:
+        inputs.processor.save_pretrained(str(final))
+        (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
+    return final
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's peak resident memory and, on CUDA, peak allocated GPU memory, in MiB."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        out["peak_gpu_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
