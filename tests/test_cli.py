@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,6 +51,7 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
     assert r.returncode == 2 and "--annotator-loose" in r.stderr and "loose 2.0" in r.stderr and not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow  # runs the command line in subprocesses
 def test_run_demo_builds_model_and_samples(tmp_path):
     out = tmp_path / "run"
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
@@ -63,6 +66,7 @@ def test_run_demo_builds_model_and_samples(tmp_path):
     assert manifest["rows"] == 12 and manifest["sources"][0]["record_format"] == "rec"
 
 
+@pytest.mark.slow  # runs the command line in subprocesses
 def test_run_with_val_fraction(tmp_path, demo_data):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"run: {{output_dir: {tmp_path / 'o'}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"

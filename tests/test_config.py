@@ -209,6 +209,7 @@ def test_dump_and_reload_round_trip(tmp_path):
     assert again == cfg
 
 
+@pytest.mark.slow  # runs the command line in subprocesses
 def test_validate_cli_exit_codes(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml")],
                         capture_output=True, text=True, cwd=REPO)

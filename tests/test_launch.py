@@ -30,6 +30,7 @@ def dry_run(stage, *overrides):
     return r.stdout.strip()
 
 
+@pytest.mark.slow  # runs the command line in subprocesses
 def test_dry_run_prints_the_exact_command_for_each_launcher():
     assert dry_run("sft") == f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process"
     assert dry_run("grpo", "launch.launcher=torchrun", "launch.nproc_per_node=8") == (

@@ -19,6 +19,8 @@ from typing import Any
 
 from vlmexp.config import Config, StageConfig
 from vlmexp.families import Family
+from vlmexp.files import made_by_vlmexp, mark_folder
+from vlmexp.path_checks import KEY_FILE
 from vlmexp.tracking import StageRun, close_stage_run, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
@@ -50,7 +52,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
 
     from vlmexp.data.splits import prepare_data
     from vlmexp.families import detect_family
-    from vlmexp.files import mark_folder
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor, pixel_budget
 
@@ -75,9 +76,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
-    if state.is_main_process and (not stage_dir.exists() or not any(stage_dir.iterdir())):
-        stage_dir.mkdir(exist_ok=True)  # marked as made here, so a re-run may resume in it
-        mark_folder(stage_dir, f"{stage} stage")
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, pixel_budget(processor), train_path,
@@ -138,6 +136,11 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     """Train (resuming from the newest complete checkpoint) and save model (or adapter) + processor to final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
     run = inputs.run
+    if trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(inputs.stage_dir):
+        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here, so a re-run after
+        # a crash may resume in it; the config check refused a folder of the user's before any work
+        inputs.stage_dir.mkdir(parents=True, exist_ok=True)
+        mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     if inputs.resume_from and run is not None:
         from vlmexp.train.callbacks import SkipLoggedSteps, last_logged_step
 
