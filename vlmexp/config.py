@@ -29,8 +29,8 @@ from pydantic import (
 
 from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
 
-Task = Literal["rec", "math", "exact"]
-TASKS: tuple[str, ...] = ("rec", "math", "exact")
+Task = Literal["rec", "math", "exact", "detection"]
+TASKS: tuple[str, ...] = ("rec", "math", "exact", "detection")
 TRAINING_STAGES: tuple[str, ...] = ("sft", "dpo", "grpo")  # in the order the pipeline runs them
 DEPLOYABLE_STAGES: tuple[str, ...] = (*TRAINING_STAGES, "eval")  # pipeline.stage_deployments keys
 
@@ -48,6 +48,11 @@ DEFAULT_PROMPT_TEMPLATES: dict[str, str] = {
         "in <answer> </answer> tags."
     ),
     "exact": "{problem} Think in <think> </think> tags, then answer in <answer> </answer> tags.",
+    "detection": (  # VLM-R1's detection question template (src/eval/test_od_r1.py), with the box format spelled out
+        "{problem} First output the thinking process in <think> </think> tags and then output the final answer "
+        "in <answer> </answer> tags. Output the final answer in JSON format: a ```json block listing "
+        "{{\"bbox_2d\": [x1, y1, x2, y2], \"label\": ...}} for each object, {frame}, or None if there is none."
+    ),
 }
 TEMPLATE_FIELDS = ("problem", "frame")  # what a prompt template may use
 TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
@@ -168,7 +173,8 @@ class DataSource(Section):
     sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
     image_root: str | None = Field(None, description="Folder that relative image paths resolve against. "
                                    "Default: the file's or folder's own.")
-    task: Task | None = Field(None, description="rec | math | exact; default from the record format.")
+    task: Task | None = Field(None, description="rec | math | exact | detection; default from the records' "
+                              "accu_reward_method, else from the record format.")
     columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
                                            "e.g. {problem: question, answer: solution, images: image} (EasyR1's "
                                            "prompt_key / answer_key / image_key).")
@@ -232,8 +238,8 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="A system message put before every prompt; none by default.")
     prompt_templates: dict[Task, str] = Field(
         default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES),
-        description="The user prompt per task (rec, math, exact), with {problem} and, for rec, {frame} (the "
-                    "family's box frame); tasks not given keep the default (vlmexp.config.DEFAULT_PROMPT_TEMPLATES).")
+        description="The user prompt per task (rec, math, exact, detection), with {problem} and, for rec and "
+                    "detection, {frame} (the family's box frame); tasks not given keep the default (vlmexp.config.DEFAULT_PROMPT_TEMPLATES).")
 
     @field_validator("prompt_templates")
     @classmethod
@@ -312,7 +318,8 @@ class SFTStageConfig(StageConfig):
 
 
 class RewardSpec(Section):
-    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, math, exact) "
+    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, math, exact, "
+                      "detection) "
                       "or module:function. The loader checks the name; its `import_rewards` switch (on in `vlmexp "
                       "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
@@ -379,10 +386,15 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     max_samples: PositiveInt | None = Field(None, description="Evaluate on the first N held-out records only; "
                                                               "default: all.")
+    math_grader: Literal["math_verify", "mathruler"] | None = Field(
+        None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's and "
+                          "verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their figures. "
+                          "Default: the grader of grpo.rewards' math entry, else math_verify.")
 
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
-METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy")
+METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy",
+               "detection_reward", "detection_ap", "detection_ap50")
 
 
 class ExportConfig(Section):

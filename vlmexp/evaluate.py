@@ -20,33 +20,42 @@ from vlmexp.errors import short
 log = logging.getLogger("vlmexp.eval")
 
 
-SCORERS = ("format", "iou", "math", "exact")  # the rewards the metrics come from: format_rate, rec_*, *_accuracy
+# the rewards the metrics come from: format_rate, rec_*, *_accuracy, detection_*
+SCORERS = ("format", "iou", "math", "exact", "detection")
 
 
-def build_scorers(rewards: Sequence[Any], frame: str, budget: Any) -> dict[str, Any]:
+def build_scorers(rewards: Sequence[Any], frame: str, budget: Any, prefilled_think: bool = False,
+                  math_grader: str | None = None) -> dict[str, Any]:
     """The rewards evaluation scores with, built by `build_reward` like the training rewards: each of SCORERS
-    with the kwargs of the configured reward of that name (`grpo.rewards`), else its defaults."""
+    with the kwargs of the configured reward of that name (`grpo.rewards`), else its defaults; `math_grader`
+    (eval.math_grader) replaces the math reward's grader."""
     from vlmexp.rewards import build_reward
 
-    kwargs = {r.name: r.kwargs for r in rewards}
-    return {name: build_reward(name, kwargs.get(name, {}), frame, budget) for name in SCORERS}
+    kwargs = {r.name: dict(r.kwargs) for r in rewards}
+    if math_grader is not None:
+        kwargs.setdefault("math", {})["grader"] = math_grader
+    return {name: build_reward(name, kwargs.get(name, {}), frame, budget, prefilled_think) for name in SCORERS}
 
 
 def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str], frame: str, budget: Any,
-                  rewards: Sequence[Any] = ()) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                  rewards: Sequence[Any] = (), prefilled_think: bool = False,
+                  math_grader: str | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
-    with the columns GRPO gives them. Metrics exist only for the tasks present; unparsable answers score 0."""
+    with the columns GRPO gives them. Metrics exist only for the tasks present; unparsable answers score 0.
+    Detection records also give detection_ap / detection_ap50: COCO AP over all of them at once."""
     from vlmexp.data.formats import parse_record
     from vlmexp.rewards import extract_answer
 
     examples = [parse_record(r, r["record_format"], r["task"]) for r in records]
     columns = {"solution": [json.dumps(e.solution) if e.task == "rec" else str(e.solution) for e in examples],
-               "task": [e.task for e in examples], "image_sizes": [r.get("image_sizes") for r in records]}
+               "task": [e.task for e in examples], "accu_reward_method": [e.method for e in examples],
+               "image_sizes": [r.get("image_sizes") for r in records]}
     texts = list(completions)
     if len(texts) != len(records):
         raise ValueError(f"{len(records)} records but {len(texts)} completions")
-    scored = {name: fn(completions=texts, **columns) for name, fn in build_scorers(rewards, frame, budget).items()}
-    rows, per_task = [], {"rec": [], "math": [], "exact": []}
+    scorers = build_scorers(rewards, frame, budget, prefilled_think, math_grader)
+    scored = {name: fn(completions=texts, **columns) for name, fn in scorers.items()}
+    rows, per_task = [], {"rec": [], "math": [], "exact": [], "detection": []}
     for i, (record, example, text) in enumerate(zip(records, examples, texts, strict=True)):
         score = scored[{"rec": "iou"}.get(example.task, example.task)][i]
         per_task[example.task].append(score)
@@ -63,7 +72,25 @@ def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str],
     for task in ("math", "exact"):
         if per_task[task]:
             metrics[f"{task}_accuracy"] = sum(per_task[task]) / len(per_task[task])
+    if per_task["detection"]:
+        metrics["detection_reward"] = sum(per_task["detection"]) / len(per_task["detection"])
+        metrics.update(detection_metrics(scorers["detection"].fn, texts, columns))
     return metrics, rows
+
+
+def detection_metrics(reward: Any, texts: Sequence[str], columns: dict[str, list]) -> dict[str, float]:
+    """detection_ap (AP@[.5:.95]) and detection_ap50: COCO AP over every detection record at once, each answer
+    read as its method reads it (an unreadable answer predicts nothing)."""
+    from vlmexp.detection import AP_THRESHOLDS, coco_ap, gold_objects
+    from vlmexp.rewards import Unparsable
+
+    images = []
+    for i, text in enumerate(texts):
+        if columns["task"][i] == "detection":
+            solution, method = columns["solution"][i], columns["accu_reward_method"][i]
+            read = reward.objects(text, solution, method, columns["image_sizes"][i])
+            images.append(([], gold_objects(solution, method)) if isinstance(read, Unparsable) else (read[0], read[2]))
+    return {"detection_ap": coco_ap(images, AP_THRESHOLDS), "detection_ap50": coco_ap(images, AP_THRESHOLDS[:1])}
 
 
 def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[dict], list[str]]:
@@ -135,8 +162,10 @@ def check_sampled_records(path: str | Path) -> None:
 
 
 def score_predictions(path: str | Path, family_name: str, min_pixels: int | None = None,
-                      max_pixels: int | None = None, image_root: str | Path | None = None):
-    """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`."""
+                      max_pixels: int | None = None, image_root: str | Path | None = None,
+                      prefilled_think: bool = False, math_grader: str | None = None):
+    """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`;
+    `prefilled_think`: the completions begin inside a think block the template opened."""
     from vlmexp.families import get_family
     from vlmexp.processor import PixelBudget
 
@@ -144,7 +173,7 @@ def score_predictions(path: str | Path, family_name: str, min_pixels: int | None
     budget = PixelBudget(family.default_patch_size, 2, min_pixels or RELEASED_PIXELS[0],
                          max_pixels or RELEASED_PIXELS[1])
     records, completions = read_predictions(path, image_root)
-    return score_records(records, completions, family.box_frame, budget)
+    return score_records(records, completions, family.box_frame, budget, (), prefilled_think, math_grader)
 
 
 @dataclass
@@ -189,7 +218,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
 
     from vlmexp.files import atomic_write
     from vlmexp.modeling import load_for_inference
-    from vlmexp.processor import pixel_budget
+    from vlmexp.processor import pixel_budget, prefills_think
     from vlmexp.prompts import build_prompt, load_images, read_jsonl
 
     set_seed(cfg.run.seed)
@@ -201,7 +230,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     completions = generate(model, processor, prompts, [load_images(r) for r in records], cfg.eval.max_new_tokens,
                            cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor),
-                                  cfg.grpo.rewards)
+                                  cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader)
     for row, prompt in zip(rows, prompts, strict=True):
         row["prompt"] = prompt[-1]["content"]
     out = Path(out_dir)

@@ -110,3 +110,15 @@ def pixel_budget(processor) -> PixelBudget:
         min_pixels=int(size["shortest_edge"]),
         max_pixels=int(size["longest_edge"]),
     )
+
+
+def prefills_think(processor, tag: str = "think") -> bool:
+    """Whether the chat template's generation prompt ends in <think> (Qwen3-VL "Thinking" templates do): then
+    the model's completions start inside the think block, and the format reward must read them so (trl
+    issue "think_format_reward always returns 0.0 for models whose chat template prefills <think>")."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
+    template_owner = processor if getattr(processor, "chat_template", None) else getattr(processor, "tokenizer", None)
+    if template_owner is None or not getattr(template_owner, "chat_template", None):
+        return False
+    prompt = template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt.rstrip().endswith(f"<{tag}>")

@@ -21,12 +21,13 @@ from __future__ import annotations
 import importlib
 import math
 import re
-import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from vlmexp import answers
+from vlmexp.answers import extract_answer
 from vlmexp.coords import from_frame, giou, iou, parse_box
 from vlmexp.errors import short
 
@@ -49,27 +50,6 @@ def completion_text(completion: Any) -> str:
             for part in completion
         )
     return str(completion)
-
-
-def extract_answer(text: str, tag: str = "answer") -> str | None:
-    """Content of the last <tag>...</tag>, else of the last \\boxed{...}; None if neither is present."""
-    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
-    if found:
-        return found[-1].strip()
-    boxed = _last_boxed(text)
-    return boxed.strip() if boxed is not None else None
-
-
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
 
 
 def _column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
@@ -138,12 +118,16 @@ class FormatReward(Reward):
     style "answer" (VLM-R1): exactly <think>...</think><answer>...</answer> (tags configurable).
     style "boxed" (EasyR1's math format reward, `<think>.*</think>.*\\boxed\\{.*\\}.*`): reasoning in
     <think></think>, then the final answer in \\boxed{}.
+    prefilled_think: the chat template's generation prompt already ends in <think> (Qwen3-VL "Thinking"
+    templates), so completions start inside the think block; they are scored as if the tag were in them.
+    Left unset, build_reward reads it from the loaded template (vlmexp.processor.prefills_think).
     """
 
     name: ClassVar[str] = "format"
     think_tag: str = "think"
     answer_tag: str = "answer"
     style: str = "answer"
+    prefilled_think: bool | None = None
 
     def __post_init__(self) -> None:
         t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
@@ -154,6 +138,8 @@ class FormatReward(Reward):
         self._pattern = re.compile(patterns[self.style], re.DOTALL)
 
     def score(self, text: str, **sample: Any) -> float:
+        if self.prefilled_think:
+            text = f"<{self.think_tag}>{text}"
         return 1.0 if self._pattern.fullmatch(text) else 0.0
 
 
@@ -218,64 +204,98 @@ class GIoUReward(IoUReward):
 
 @dataclass
 class MathReward(Reward):
-    """1 when math-verify finds the answer (\\boxed{} or <answer>) equal to the solution."""
+    """1 when the answer (\\boxed{} or <answer>) equals the solution as `grader` judges it: math_verify
+    (default) or mathruler, EasyR1's and verl's grader (the optional extra `vlmexp[mathruler]`)."""
 
     name: ClassVar[str] = "math"
     tasks: ClassVar[tuple[str, ...]] = ("math",)
     reasons: ClassVar[tuple[str, ...]] = ("no_answer", "unparsable_answer")
     answer_tag: str = "answer"
+    grader: str = "math_verify"
+
+    def __post_init__(self) -> None:
+        answers.check_math_grader(self.grader)
 
     def score(self, text: str, solution: Any = None, **sample: Any) -> float | Unparsable | None:
-        from math_verify import parse, verify
-
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")
-        gold = parse(_as_math(str(extract_answer(str(solution), self.answer_tag) or solution)))
-        if not gold:
-            raise ValueError(f"math-verify cannot parse the solution {solution!r}; fix the record's answer")
-        pred = parse(_as_math(answer))
-        if not pred:
-            return self.fail("unparsable_answer")
-        return 1.0 if verify(gold, pred) else 0.0
-
-
-def _as_math(text: str) -> str:
-    """math-verify reads LaTeX inside $...$ or \\boxed{}; wrap a bare answer so it is found."""
-    return text if any(m in text for m in ("$", "\\boxed", "\\(", "\\[")) else f"${text}$"
-
-
-_CHOICE = re.compile(r"^\(?([A-Za-z])[\).:]?(?:\s|$)")
+        gold = str(extract_answer(str(solution), self.answer_tag) or solution)
+        correct = answers.grade_math(answer, gold, self.grader)
+        return self.fail("unparsable_answer") if correct is None else float(correct)
 
 
 @dataclass
 class ExactReward(Reward):
-    """1 when the answer equals the solution after normalising case, spaces and punctuation, or when
-    both name the same choice letter ("B", "(B)", "B. a cat")."""
+    """Text answers, scored per record by its `accu_reward_method` column (vlmexp.answers):
+    default: equal after normalising case, spaces and punctuation, or the same choice letter ("B", "(B)").
+    mcq / yes_no: the choice letter / yes or no the answer names, against the solution's.
+    all_match: equal after VLM-R1's clean_text (lower case, a final '.' dropped)."""
 
     name: ClassVar[str] = "exact"
     tasks: ClassVar[tuple[str, ...]] = ("exact",)
-    reasons: ClassVar[tuple[str, ...]] = ("no_answer",)
+    reasons: ClassVar[tuple[str, ...]] = ("no_answer", "no_choice")
     answer_tag: str = "answer"
 
-    def score(self, text: str, solution: Any = None, **sample: Any) -> float | Unparsable | None:
+    def score(self, text: str, solution: Any = None, accu_reward_method: Any = None,
+              **sample: Any) -> float | Unparsable | None:
+        method = accu_reward_method or "default"
+        if method in answers.CHOICE_METHODS:  # VLM-R1 mcq_reward / yes_no_reward: the first <answer>
+            gold = answers.gold_choice(method, str(solution))
+            if gold is None:
+                raise ValueError(f"the {method} solution {solution!r} names no choice; fix the record")
+            said = answers.answer_text(text, self.answer_tag, last=False)
+            choice = answers.extract_choice(said) if method == "mcq" else answers.extract_yes_no(said)
+            return self.fail("no_choice") if choice is None else float(choice == gold)
+        if method == "all_match":  # VLM-R1 all_match_reward
+            return float(answers.clean_text(text, self.answer_tag) == answers.clean_text(str(solution)))
+        if method != "default":
+            raise ValueError(f"unknown answer method {method!r}; sample the records again with `vlmexp sample`")
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")
         gold = extract_answer(str(solution), self.answer_tag) or str(solution)
-        if _normalise(answer) == _normalise(gold):
-            return 1.0
-        a, g = _CHOICE.match(answer.strip()), _CHOICE.match(gold.strip())
-        return 1.0 if a and g and a.group(1).upper() == g.group(1).upper() else 0.0
+        return float(answers.exact_match(answer, gold))
 
 
-def _normalise(text: str) -> str:
-    text = text.lower().translate(str.maketrans("", "", string.punctuation))
-    return " ".join(text.split())
+@dataclass
+class DetectionReward(Reward):
+    """Several boxes per answer against several targets (vlmexp.detection), by the `accu_reward_method` column:
+    od_ap, od_ap50, map (COCO AP), odLength (AP times a length penalty), weighted_sum (VLM-R1's matching
+    score). The model's boxes are read in the family's frame, the solution's in original pixels."""
+
+    name: ClassVar[str] = "detection"
+    tasks: ClassVar[tuple[str, ...]] = ("detection",)
+    reasons: ClassVar[tuple[str, ...]] = ("no_answer", "no_json_block", "bad_json", "not_a_list")
+    frame: str = "pixels"
+    budget: Any = None
+
+    def objects(self, text: str, solution: Any, method: Any, image_sizes: Any):
+        """(predicted boxes in original pixels, items listed, target boxes) or Unparsable."""
+        from vlmexp.detection import Unreadable, gold_objects, predicted_objects
+
+        if method is None or not image_sizes:
+            raise ValueError(f"detection record without a method or image size (method={method!r}, "
+                             f"image_sizes={image_sizes!r}); sample it with `vlmexp sample`")
+        try:
+            found, listed = predicted_objects(text, method)
+        except Unreadable as e:
+            return self.fail(e.reason)
+        width, height = image_sizes[0]
+        mapped = [(from_frame(box, width, height, self.frame, self.budget), label) for box, label in found]
+        return mapped, listed, gold_objects(str(solution), method)
+
+    def score(self, text: str, solution: Any = None, accu_reward_method: Any = None, image_sizes: Any = None,
+              **sample: Any) -> float | Unparsable | None:
+        from vlmexp.detection import detection_reward
+
+        read = self.objects(text, solution, accu_reward_method, image_sizes)
+        return read if isinstance(read, Unparsable) else detection_reward(accu_reward_method, *read)
 
 
 REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
-                                                                 GIoUReward, MathReward, ExactReward)}
+                                                                 GIoUReward, MathReward, ExactReward,
+                                                                 DetectionReward)}
 
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
@@ -403,13 +423,17 @@ def check_reward_name(name: str, import_module: bool = True) -> None:
         check_custom_reward(name)
 
 
-def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any) -> Callable[..., list[Score]]:
-    """One reward callable from its config entry."""
+def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
+                 prefilled_think: bool = False) -> Callable[..., list[Score]]:
+    """One reward callable from its config entry; `prefilled_think`: the chat template's generation prompt ends
+    in <think> (the format reward's default for its `prefilled_think`)."""
     if name not in REGISTRY:
         return guarded(load_custom(name), name)
     args = dict(kwargs)
-    if issubclass(REGISTRY[name], IoUReward):  # boxes are read in the family's frame
+    if issubclass(REGISTRY[name], (IoUReward, DetectionReward)):  # boxes are read in the family's frame
         args.update(frame=frame, budget=budget)
+    if REGISTRY[name] is FormatReward and args.get("prefilled_think") is None:
+        args["prefilled_think"] = prefilled_think
     try:
         reward = REGISTRY[name](**args)
     except TypeError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vlmexp.config import TASKS
 from vlmexp.coords import parse_box
 
 FORMATS = ("rec", "conversations", "easyr1", "pairs")
@@ -26,8 +27,18 @@ DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math", "pairs
 # pairs record's chosen answer, a conversation's gpt turn. The others hold a ground truth to score against
 # (EasyR1's `answer`; a rec record's box, from which SFT builds its target).
 ANSWER_TEXT = {"pairs": "chosen", "conversations": "the gpt turn"}
-# accu_reward_method values of VLM-R1 JSONL data -> our task
-ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "math": "math", "yes_no": "exact"}
+# accu_reward_method values of VLM-R1 JSONL data (om-ai-lab/VLM-R1, src/open-r1-multimodal/src/open_r1/
+# grpo_jsonl.py, accuracy_reward) -> our task; the method itself travels with the record (Example.method) and
+# picks the scoring within the task (vlmexp.answers, vlmexp.detection). Any other value is refused.
+ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "yes_no": "exact", "all_match": "exact",
+             "math": "math", "od_ap": "detection", "od_ap50": "detection", "map": "detection",
+             "odLength": "detection", "weighted_sum": "detection"}
+TASK_METHOD = {"rec": "iou", "exact": "default", "math": "math"}  # a record without accu_reward_method
+REFUSED_METHODS = {  # methods VLM-R1 defines that vlmexp does not run, and why
+    "llm": "VLM-R1 asks a judge model over an OpenAI-compatible API for it, which vlmexp does not call; map these "
+           "records to another accu_reward_method (e.g. default or all_match), or score them with your own "
+           "`module:function` reward in grpo.rewards and give the records a method it reads",
+}
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "solution", "answer", "conversations", "accu_reward_method", "task", "id",
           "chosen", "rejected", "demonstration")
@@ -44,6 +55,7 @@ class Example:
     solution: Any  # a box (list of 4 floats) for rec, else a string
     task: str
     rejected: str | None = None  # the dispreferred answer of a "pairs" record (solution is the chosen one)
+    method: str | None = None  # how the answer is scored within the task (ACCU_TASK); None only for pairs
 
 
 def detect_format(record: dict[str, Any]) -> str | None:
@@ -87,9 +99,16 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
             raise ValueError("field 'conversations' needs {'from': 'human', 'value'} and {'from': 'gpt', 'value'}")
         images = _as_list(record.get("image", []), "image")
         problem, solution = _strip_image_tags(str(human["value"]), len(images), "human turn"), gpt["value"]
-        task = task or ACCU_TASK.get(str(record.get("accu_reward_method", "")), None)
-    task = record.get("task") if record.get("task") in DEFAULT_TASK.values() else task
-    task = task or DEFAULT_TASK[fmt]
+    method = _method(record)
+    task = record.get("task") if record.get("task") in TASKS else task
+    task = task or ACCU_TASK.get(method or "") or DEFAULT_TASK[fmt]
+    if method is not None and ACCU_TASK[method] != task:
+        raise ValueError(f"accu_reward_method {method!r} scores task {ACCU_TASK[method]!r}, but this record's task "
+                         f"is {task!r} (the source's or the record's `task`); drop the `task` or change the method")
+    method = method or TASK_METHOD.get(task)
+    if method is None and task != "exact":
+        raise ValueError(f"a {task} record needs accu_reward_method, one of "
+                         f"{', '.join(m for m, t in ACCU_TASK.items() if t == task)}")
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError("the question (problem) is empty; give each record a question")
     if task == "rec":
@@ -106,7 +125,36 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
                              "in original pixels or drop the field")
     else:
         solution = str(solution)
-    return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected)
+        _check_solution(solution, method, len(images))
+    return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected, method=method)
+
+
+def _method(record: dict[str, Any]) -> str | None:
+    """The record's accu_reward_method, or ValueError naming it: refused (REFUSED_METHODS) or unknown."""
+    method = record.get("accu_reward_method")
+    if method is None:
+        return None
+    if method in REFUSED_METHODS:
+        raise ValueError(f"accu_reward_method {method!r} is not supported: {REFUSED_METHODS[method]}")
+    if method not in ACCU_TASK:
+        raise ValueError(f"unknown accu_reward_method {method!r}; use one of {', '.join(ACCU_TASK)} (see "
+                         f"docs/data-formats.md)")
+    return method
+
+
+def _check_solution(solution: str, method: str | None, images: int) -> None:
+    """Refuse a solution its method cannot score: a choice that names none, boxes that do not parse."""
+    from vlmexp.answers import CHOICE_METHODS, gold_choice
+
+    if method in CHOICE_METHODS and gold_choice(method, solution) is None:
+        raise ValueError(f"the {method} solution {solution[:80]!r} names no "
+                         f"{'option letter' if method == 'mcq' else 'yes or no'}; fix the record's answer")
+    if ACCU_TASK.get(method or "") == "detection":
+        from vlmexp.detection import gold_objects
+
+        if images != 1:
+            raise ValueError(f"a detection record needs exactly one image, got {images}")
+        gold_objects(solution, method)
 
 
 def _pair(value: Any, key: str) -> str:

@@ -2,7 +2,8 @@
 
 SFT rows: conversational `prompt` / `completion` plus `images` (PIL); TRL's collator inserts the image
 parts and computes the loss on the completion only. GRPO rows: conversational `prompt` plus `images`;
-`solution`, `task`, `image_sizes` and `source_row` reach the reward functions as keyword columns.
+`solution`, `task`, `accu_reward_method`, `image_sizes` and `source_row` reach the reward functions as keyword
+columns.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
         else:
             example = parse_record(record, record["record_format"], record["task"])
             solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
-            row.update(solution=solution, task=example.task, image_sizes=record["image_sizes"],
+            row.update(solution=solution, task=example.task, accu_reward_method=example.method,
+                       image_sizes=record["image_sizes"],
                        source_row=record.get("source_row"),
                        image_path=record["image_paths"][0] if record["image_paths"] else "")
         rows.append(row)

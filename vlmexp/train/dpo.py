@@ -130,7 +130,8 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str], record:
     example = parse_record(record, record["record_format"], record["task"])
     solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
     n = len(texts)
-    columns = {"solution": [solution] * n, "task": [example.task] * n, "image_sizes": [record["image_sizes"]] * n,
+    columns = {"solution": [solution] * n, "task": [example.task] * n, "accu_reward_method": [example.method] * n,
+               "image_sizes": [record["image_sizes"]] * n,
                "image_path": [(record["image_paths"] or [""])[0]] * n}
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     totals = [0.0] * n

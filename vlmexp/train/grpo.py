@@ -22,6 +22,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
                        mlflow_run_id: str | None = None):
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
+    from vlmexp.processor import prefills_think
     from vlmexp.rewards import build_reward
     from vlmexp.train.callbacks import CompletionTable
     from vlmexp.train.data import build_dataset
@@ -34,7 +35,9 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     model, peft_config = load_model(inputs)
-    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
+    thinking = prefills_think(inputs.processor)  # completions then start inside <think> (the format reward reads so)
+    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)
+               for r in cfg.grpo.rewards]
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
