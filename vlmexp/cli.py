@@ -139,11 +139,23 @@ def cmd_score(args: argparse.Namespace) -> int:
     root = args.image_root
     check_arguments("score", *pixels, ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
                     ("--image-root", root, root and not Path(root).is_dir() and "no such folder; fix the path"))
-    metrics, rows = score_predictions(args.predictions, args.family, args.min_pixels, args.max_pixels, args.image_root)
+    check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
+    metrics, rows = score_predictions(args.predictions, args.family, args.min_pixels, args.max_pixels, args.image_root,
+                                      args.prefilled_think, args.math_grader)
     if args.per_sample:
         atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _grader_problem(grader: str | None) -> str | None:
+    from vlmexp.answers import check_math_grader
+
+    try:
+        check_math_grader(grader or "math_verify")
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -305,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
     p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
     p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
+    p.add_argument("--math-grader", choices=["math_verify", "mathruler"],
+                   help="grader of math answers (default math_verify; mathruler is EasyR1's, vlmexp[mathruler])")
+    p.add_argument("--prefilled-think", action="store_true",
+                   help="the completions begin inside a <think> block the chat template opened (Qwen3-VL Thinking)")
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("export", help="merge a LoRA adapter (if any) and write a self-contained model folder")

@@ -35,10 +35,25 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
             check_reward_name(spec.name, import_module=False)
         except ValueError as e:
             out.append(((*loc, "name"), spec.name, str(e)))
+        if spec.name == "math" and "grader" in spec.kwargs:  # refused before any work, with the install hint
+            out += _grader_problem((*loc, "kwargs", "grader"), spec.kwargs["grader"])
+    grader = (raw.get("eval") or {}).get("math_grader") if isinstance(raw.get("eval"), dict) else None
+    if grader is not None:
+        out += _grader_problem(("eval", "math_grader"), grader)
     for key in ("datasets", "val_datasets"):
         for loc, src in _entries(raw, ("data", key), DataSource):
             out += [((*loc, field), value, message) for field, value, message in check_source(src)]
     return out
+
+
+def _grader_problem(loc: Loc, grader: Any) -> list[Found]:
+    from vlmexp.answers import check_math_grader
+
+    try:
+        check_math_grader(grader)
+    except ValueError as e:
+        return [(loc, grader, str(e))]
+    return []
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:

@@ -1,0 +1,228 @@
+"""VLM-R1's accu_reward_method values against literal completions; thinking templates; math graders; refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from vlmexp.data.formats import parse_record
+from vlmexp.detection import AP_THRESHOLDS, coco_ap, weighted_score
+from vlmexp.processor import PixelBudget
+from vlmexp.rewards import DetectionReward, ExactReward, FormatReward, MathReward, build_reward
+
+BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
+SIZE = [[112, 112]]  # a multiple of 28: the pixels frame maps boxes 1:1
+
+
+def exact(method: str, completions: list[str], solution: str) -> list:
+    return ExactReward()(completions=completions, solution=[solution] * len(completions),
+                         accu_reward_method=[method] * len(completions))
+
+
+def boxes(*objects: tuple[list[float], str], fence: bool = True) -> str:
+    text = json.dumps([{"bbox_2d": b, "label": label} for b, label in objects])
+    return f"```json\n{text}\n```" if fence else text
+
+
+def detect(method: str, answer: str, gold: str) -> float:
+    return DetectionReward(frame="pixels", budget=BUDGET)(
+        completions=[answer], solution=[gold], accu_reward_method=[method], image_sizes=[SIZE])[0]
+
+
+def test_mcq_extracts_the_choice_first():
+    assert exact("mcq", ["<think>A or B?</think><answer>The answer is (B).</answer>",
+                         "<answer>B. a cat</answer>", "<answer>(C)</answer>", "<answer>I cannot tell</answer>"],
+                 "B") == [1.0, 1.0, 0.0, 0.0]
+    assert exact("mcq", ["<answer>B</answer>"], "<answer>(B) a cat</answer>") == [1.0]
+    # default (exact) compares the whole answer: the sentence is not "B"
+    assert exact("default", ["<answer>The answer is (B).</answer>"], "B") == [0.0]
+
+
+def test_yes_no_reads_whole_words():
+    assert exact("yes_no", ["<answer>Yes, it is.</answer>", "<answer>no</answer>", "<answer>I don't know</answer>"],
+                 "Yes") == [1.0, 0.0, 0.0]
+
+
+def test_all_match_uses_vlm_r1_clean_text():
+    assert exact("all_match", ["<answer>A red\ncat.</answer>", "<answer>a red dog</answer>"],
+                 "<answer>a red cat</answer>") == [1.0, 0.0]
+
+
+def test_two_boxes_against_two_targets_give_coco_ap():
+    gold = "<answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 40], "dog")) + "</answer>"
+    # cat exact (AP 1 at every threshold); dog at IoU 0.5 exactly (matched at .50 only): (1 + 1/10) / 2
+    answer = "<think>two animals</think><answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 30], "dog")) + \
+        "</answer>"
+    assert detect("od_ap", answer, gold) == pytest.approx(0.55)
+    assert detect("map", answer, gold) == pytest.approx(0.55)
+    assert detect("od_ap50", answer, gold) == pytest.approx(1.0)
+    assert detect("odLength", answer, gold) == pytest.approx(0.55)
+    # three boxes for two targets: the extra one is a false positive, and odLength multiplies by 2/3
+    extra = "<answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 40], "dog"), ([50, 50, 60, 60], "dog")) + \
+        "</answer>"
+    assert detect("od_ap", extra, gold) == pytest.approx(1.0)  # the false positive ranks last: precision stays 1
+    assert detect("odLength", extra, gold) == pytest.approx(2 / 3)
+    # a label no target has is left out, as COCO's categories come from the targets
+    assert detect("od_ap", "<answer>" + boxes(([0, 0, 10, 10], "bird")) + "</answer>", gold) == 0.0
+
+
+def test_detection_none_answers_and_unreadable_ones():
+    none = "<answer>None</answer>"
+    assert detect("od_ap", none, none) == 1.0 and detect("weighted_sum", none, none) == 1.0
+    gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
+    assert detect("od_ap", none, gold) == 0.0
+    logged = {}
+    reward = DetectionReward(frame="pixels", budget=BUDGET)
+    scores = reward(completions=["no tags", "<answer>[1, 2]</answer>", "<answer>```json [oops```</answer>"],
+                    solution=[gold] * 3, accu_reward_method=["od_ap"] * 3, image_sizes=[SIZE] * 3,
+                    log_metric=lambda k, v: logged.__setitem__(k, v))
+    assert scores == [0.0, 0.0, 0.0]
+    assert logged["rewards/detection/unparsable/no_answer"] == 1.0
+    assert logged["rewards/detection/unparsable/no_json_block"] == 1.0
+    assert logged["rewards/detection/unparsable/bad_json"] == 1.0
+
+
+def test_weighted_sum_is_vlm_r1_detection_score():
+    gold = "<answer>" + boxes(([0, 0, 10, 10], "Cat"), ([20, 20, 40, 40], "dog")) + "</answer>"
+    # one exact match (labels compared in lower case), one target missed: (0.7 * 1/2 + 0.3 * (1 - (1/2 + 0)/2))
+    assert detect("weighted_sum", "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", gold) == \
+        pytest.approx(0.7 * 0.5 + 0.3 * 0.75)
+    # VLM-R1's iou counts pixels inclusively: [0,0,10,10] vs [0,0,10,10] is 1
+    assert weighted_score([([0, 0, 10, 10], "a")], [([0, 0, 10, 10], "a")]) == pytest.approx(1.0)
+
+
+def test_coco_ap_matches_pycocotools_when_installed():
+    pytest.importorskip("pycocotools")
+    import contextlib
+    import io
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    images = [([([0, 0, 10, 10], "a"), ([1, 1, 9, 12], "a"), ([30, 30, 50, 45], "b")],
+               [([0, 0, 10, 10], "a"), ([30, 30, 50, 50], "b"), ([60, 60, 70, 70], "b")]),
+              ([([5, 5, 20, 20], "b")], [([4, 4, 20, 21], "b")])]
+    cats = {"a": 0, "b": 1}
+    gt = {"images": [{"id": i} for i in range(2)], "categories": [{"id": v, "name": k} for k, v in cats.items()],
+          "annotations": [{"id": n + 1, "image_id": i, "category_id": cats[lab], "iscrowd": 0,
+                           "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "area": (b[2] - b[0]) * (b[3] - b[1])}
+                          for n, (i, b, lab) in enumerate((i, b, lab) for i, (_, g) in enumerate(images)
+                                                         for b, lab in g)]}
+    dt = [{"image_id": i, "category_id": cats[lab], "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "score": 1.0}
+          for i, (p, _) in enumerate(images) for b, lab in p]
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO()
+        coco.dataset = gt
+        coco.createIndex()
+        ev = COCOeval(coco, coco.loadRes(dt), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    assert coco_ap(images, AP_THRESHOLDS) == pytest.approx(ev.stats[0], abs=1e-12)
+    assert coco_ap(images, AP_THRESHOLDS[:1]) == pytest.approx(ev.stats[1], abs=1e-12)
+
+
+def test_format_reward_reads_completions_that_start_inside_a_prefilled_think():
+    text = "reasoning...</think><answer>B</answer>"
+    assert FormatReward()(completions=[text]) == [0.0]
+    assert FormatReward(prefilled_think=True)(completions=[text, "<think>r</think><answer>B</answer>"]) == [1.0, 1.0]
+    assert build_reward("format", {}, "pixels", BUDGET, prefilled_think=True)(completions=[text]) == [1.0]
+    assert build_reward("format", {"prefilled_think": False}, "pixels", BUDGET, True)(completions=[text]) == [0.0]
+    # the answer parsers read after the last </think> when there is no <answer>: reasoning is never the answer
+    assert exact("mcq", ["A looks wrong, so...</think>B."], "B") == [1.0]
+
+
+class _Template:
+    def __init__(self, ending: str):
+        self.chat_template, self.ending = "x", ending
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n" + self.ending
+
+
+def test_prefilled_think_is_read_from_the_chat_template():
+    from vlmexp.processor import prefills_think
+
+    assert prefills_think(_Template("<think>\n")) is True
+    assert prefills_think(_Template("")) is False
+
+
+def test_math_grader_choice_and_refusal(monkeypatch):
+    assert MathReward()(completions=["<answer>0.5</answer>"], solution=["\\frac{1}{2}"]) == [1.0]
+    with pytest.raises(ValueError, match="not one of math_verify, mathruler"):
+        MathReward(grader="sympy")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mathruler" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'vlmexp\[mathruler\]'"):
+        MathReward(grader="mathruler")
+
+
+def test_mathruler_grades_as_easyr1_when_installed():
+    pytest.importorskip("mathruler")
+    pytest.importorskip("pylatexenc")
+    reward = MathReward(grader="mathruler")
+    assert reward(completions=["<think>x</think> so \\boxed{\\frac{1}{2}}", "<answer>3</answer>"],
+                  solution=["\\frac{1}{2}", "4"]) == [1.0, 0.0]
+
+
+def conversation(method: str | None, answer: str, **extra) -> dict:
+    record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Which?"},
+                                                  {"from": "gpt", "value": answer}], **extra}
+    return {**record, "accu_reward_method": method} if method else record
+
+
+@pytest.mark.parametrize("method, answer, needle", [
+    ("llm", "B", "accu_reward_method 'llm' is not supported: .*module:function"),
+    ("fuzzy", "B", "unknown accu_reward_method 'fuzzy'; use one of iou, default"),
+    ("mcq", "a cat", "names no option letter"),
+    ("yes_no", "maybe", "names no yes or no"),
+    ("od_ap", "<answer>boxes</answer>", "holds no JSON list of boxes"),
+])
+def test_records_the_method_cannot_score_are_refused(method, answer, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_record(conversation(method, answer), "conversations", None)
+
+
+def test_methods_pick_task_and_travel_with_the_record():
+    gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
+    assert parse_record(conversation("od_ap", gold), "conversations", None).task == "detection"
+    ex = parse_record(conversation("mcq", "(B)"), "conversations", None)
+    assert (ex.task, ex.method) == ("exact", "mcq")
+    assert parse_record(conversation(None, "B"), "conversations", None).method == "default"
+    with pytest.raises(ValueError, match="scores task 'detection', but this record's task is 'exact'"):
+        parse_record(conversation("od_ap", gold), "conversations", "exact")
+
+
+def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    rows = [conversation("default", "B"), conversation("llm", "B"), conversation("od_map", "B")]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({"datasets": [{"json_path": str(tmp_path / "d.jsonl")}]}))
+    run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"), "--out",
+                          str(tmp_path / "out" / "s.jsonl")], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    err = run.stderr + run.stdout
+    assert "d.jsonl:2" in err and "accu_reward_method 'llm' is not supported" in err, err
+    assert "d.jsonl:3" in err and "unknown accu_reward_method 'od_map'" in err, err
+    assert not (tmp_path / "out" / "s.jsonl").exists()
+
+
+def test_evaluation_gives_detection_ap_over_all_records():
+    from vlmexp.evaluate import score_records
+
+    gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
+    records = [{**conversation("od_ap", gold), "record_format": "conversations", "task": "detection",
+                "image_sizes": SIZE}] * 2
+    completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", "<answer>None</answer>"]
+    metrics, rows = score_records(records, completions, "pixels", BUDGET)
+    assert metrics["detection_reward"] == pytest.approx(0.5) and metrics["format_rate"] == 0.5
+    # pooled: one of two targets found, at precision 1: 101-point AP = 51/101
+    assert metrics["detection_ap"] == pytest.approx(51 / 101) and metrics["detection_ap50"] == pytest.approx(51 / 101)
