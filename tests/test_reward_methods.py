@@ -207,7 +207,7 @@ def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "data.yaml").write_text(yaml.safe_dump({"datasets": [{"json_path": str(tmp_path / "d.jsonl")}]}))
     run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"), "--out",
-                          str(tmp_path / "out" / "s.jsonl")], capture_output=True, text=True, timeout=120)
+                          str(tmp_path / "out" / "s.jsonl")], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0
     err = run.stderr + run.stdout
     assert "d.jsonl:2" in err and "accu_reward_method 'llm' is not supported" in err, err
@@ -222,7 +222,26 @@ def test_evaluation_gives_detection_ap_over_all_records():
     records = [{**conversation("od_ap", gold), "record_format": "conversations", "task": "detection",
                 "image_sizes": SIZE}] * 2
     completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", "<answer>None</answer>"]
-    metrics, rows = score_records(records, completions, "pixels", BUDGET)
+    metrics, _ = score_records(records, completions, "pixels", BUDGET)
     assert metrics["detection_reward"] == pytest.approx(0.5) and metrics["format_rate"] == 0.5
     # pooled: one of two targets found, at precision 1: 101-point AP = 51/101
     assert metrics["detection_ap"] == pytest.approx(51 / 101) and metrics["detection_ap50"] == pytest.approx(51 / 101)
+
+
+def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monkeypatch):
+    import importlib.util
+
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import VlmexpError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mathruler" else real(name, *a))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "tiny:qwen2_5_vl"}, "data": {"demo": {}},
+                                    "eval": {"math_grader": "mathruler"},
+                                    "grpo": {"rewards": [{"name": "math", "kwargs": {"grader": "mathruler"}}]}}))
+    with pytest.raises(VlmexpError) as e:
+        load_config(path)
+    text = str(e.value)
+    assert "eval.math_grader = 'mathruler'" in text and "grpo.rewards.0.kwargs.grader = 'mathruler'" in text, text
+    assert text.count("pip install 'vlmexp[mathruler]'") == 2, text

@@ -138,7 +138,7 @@ def check_math_grader(grader: str) -> None:
     if grader == "mathruler":
         missing = [m for m in ("mathruler", "pylatexenc") if importlib.util.find_spec(m) is None]
         if missing:
-            raise ValueError(f"grader 'mathruler' needs {' and '.join(missing)}, which is not installed: "
+            raise ValueError(f"grader 'mathruler' needs {' and '.join(missing)}, not installed here: "
                              f"{MATHRULER_HINT}, or use grader: math_verify")
 
 
