@@ -40,7 +40,7 @@ def _cached(task, force: bool, retries: int, delay: float, **params: Any):
 @flow(name="vlm-pipeline", log_prints=True)
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
     from vlmexp.errors import quiet_bad_input_tracebacks
-    from vlmexp.stage_runner import check_pipeline_parameters, load_resolved, stage_key
+    from vlmexp.pipeline.keys import check_pipeline_parameters, load_resolved, stage_key
 
     quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
     check_pipeline_parameters(config, overrides)

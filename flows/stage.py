@@ -1,7 +1,7 @@
 """The vlm-stage flow: ONE stage of vlm-pipeline, run as its own deployment on the work pool where the
 GPUs are (`pipeline.stage_deployments`). The pipeline's task starts it with `run_deployment` and waits.
 
-It runs exactly what the pipeline's task runs in-process (`vlmexp.stage_runner.run_training_stage` or
+It runs exactly what the pipeline's task runs in-process (`vlmexp.pipeline.steps.run_training_stage` or
 `run_evaluation`): the same stage folder, MLflow child run, stage_key.json and resume from the newest
 checkpoint. It takes paths, keys and run ids only; the output folder and the MLflow store must be the
 same on the flow's machine and on this one. Its result (`vlmexp.results.StageResult` or `Evaluation`) is
@@ -20,7 +20,7 @@ def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, par
               force: bool = False, name: str | None = None, records: str | None = None) -> StageResult | Evaluation:
     """Train `stage` (sft, dpo, grpo) from `model`, or evaluate `model` as candidate `name` on `records`
     (stage eval), for the resolved config at `resolved`."""
-    from vlmexp.stage_runner import run_evaluation, run_training_stage
+    from vlmexp.pipeline.steps import run_evaluation, run_training_stage
 
     if stage == "eval":
         if not (name and model and records):

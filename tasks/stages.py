@@ -1,7 +1,7 @@
 """Thin Prefect tasks over library calls. They pass paths, keys and run ids, never models, and return the
 typed records of `vlmexp.results`.
 
-Training, evaluation and export are cached by a key of what they depend on (`vlmexp.stage_runner.stage_key`:
+Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.keys.stage_key`:
 the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
 re-running the flow with the same config and data skips them; `force` recomputes.
 """
@@ -31,7 +31,7 @@ def _key(prefix: str):
 @task(name="validate-config", cache_policy=NO_CACHE)
 def validate_config(config: str, overrides: list[str]) -> str:
     """Check the config (all problems at once) and write the resolved copy (pending until the data is sampled)."""
-    from vlmexp.stage_runner import resolve_config
+    from vlmexp.pipeline.keys import resolve_config
 
     _, pending = resolve_config(config, overrides)
     get_run_logger().info("config %s ok; resolved to %s", config, pending)
@@ -43,7 +43,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     while a Hub outage or a full disk may pass on the next try. An interrupted stage (Ctrl-C, SIGTERM, a
     cancel) is a stop, never retried."""
     from vlmexp.errors import VlmexpError
-    from vlmexp.stage_runner import StageInterrupted
+    from vlmexp.pipeline.processes import StageInterrupted
 
     try:
         state.result()
@@ -60,8 +60,8 @@ def sample_data(pending: str) -> SampledData:
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.splits import prepare_data
     from vlmexp.modeling import resolve_model
+    from vlmexp.pipeline.keys import commit_resolved, load_resolved
     from vlmexp.prompts import check_sft_targets
-    from vlmexp.stage_runner import commit_resolved, load_resolved
 
     cfg = load_resolved(pending)
     model_path, _ = resolve_model(cfg.model, cfg.run.output_dir)  # builds a tiny model once
@@ -77,8 +77,9 @@ def sample_data(pending: str) -> SampledData:
 @task(name="start-tracking", cache_policy=NO_CACHE)
 def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
-    from vlmexp.stage_runner import load_resolved
-    from vlmexp.tracking import flatten, make_tracker, redact, redacted_yaml, run_tags
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.provenance import flatten, redact, redacted_yaml, run_tags
 
     cfg = load_resolved(resolved)
     tracker = make_tracker(cfg)
@@ -95,7 +96,8 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
     """When `pipeline.stage_deployments` names a deployment for `stage`: run the `vlm-stage` flow there as a
     subflow of this task, wait, and return its result (a run that did not complete raises its error, so
     this task's retry starts it again). Otherwise None: the caller runs the stage in this process."""
-    from vlmexp.stage_runner import load_resolved, remote_result
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.steps import remote_result
 
     name = load_resolved(resolved).pipeline.stage_deployments.get(stage)
     if not name:
@@ -115,7 +117,8 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
     """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
     on the stage's deployment (`pipeline.stage_deployments`). A retry (same key) resumes from the newest
     checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run."""
-    from vlmexp.stage_runner import load_resolved, run_training_stage
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.steps import run_training_stage
 
     folder = Path(load_resolved(resolved).run.output_dir) / stage
     result = _on_deployment(stage, resolved, folder, key, {"model": model, "parent_run_id": parent_run_id,
@@ -129,7 +132,8 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
 def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> Evaluation:
     """Generate on the held-out records with `model` and score with the training rewards (here, or on the
     `eval` deployment)."""
-    from vlmexp.stage_runner import load_resolved, run_evaluation
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.steps import run_evaluation
 
     folder = Path(load_resolved(resolved).run.output_dir) / "eval" / name
     result = _on_deployment("eval", resolved, folder, key, {"name": name, "model": model, "records": records},
@@ -146,9 +150,10 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.report import log_evaluation_run
+    from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.results import comparison_table
-    from vlmexp.stage_runner import load_resolved
-    from vlmexp.tracking import log_evaluation_run, make_tracker
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
@@ -167,8 +172,8 @@ def _artifact_key(name: str) -> str:
 def export_model(resolved: str, key: str, model: str, parent_run_id: str, provenance: dict[str, Any]) -> str:
     """Merge (if LoRA), save a self-contained folder with manifest.json, and log it to the parent run."""
     from vlmexp.export import export_model as export
-    from vlmexp.stage_runner import load_resolved
-    from vlmexp.tracking import make_tracker
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     out = export(cfg, model, Path(cfg.run.output_dir) / "export", provenance, resolved_config=resolved)
@@ -180,8 +185,8 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
     """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
     from vlmexp.export import register_and_promote
-    from vlmexp.stage_runner import load_resolved
-    from vlmexp.tracking import make_tracker
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
@@ -197,9 +202,9 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     """The run's markdown summary as a Prefect artifact and an MLflow artifact; tags and closes the parent run."""
     from prefect.artifacts import create_markdown_artifact
 
-    from vlmexp.stage_runner import load_resolved
+    from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.summary import render_summary, summary_tags
-    from vlmexp.tracking import make_tracker
 
     cfg = load_resolved(run.data.resolved)
     tracker = make_tracker(cfg)

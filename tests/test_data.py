@@ -240,13 +240,13 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
 
 def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
     """SFT imitates the annotator's box; the exact box stays the solution the reward and evaluation score."""
+    from PIL import Image
+
     from vlmexp.config_loader import load_config
     from vlmexp.coords import iou
     from vlmexp.data.demo import Annotator, make_demo_data
     from vlmexp.data.splits import prepare_data
     from vlmexp.families import get_family
-    from PIL import Image
-
     from vlmexp.processor import PixelBudget
     from vlmexp.prompts import target_text
 

@@ -247,7 +247,7 @@ def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, m
     """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage key."""
     from vlmexp.config_loader import load_config
     from vlmexp.data.splits import prepare_data
-    from vlmexp.stage_runner import stage_key
+    from vlmexp.pipeline.keys import stage_key
 
     rows = [{"image": "im.png", "problem": f"thing {i}", "solution": [1, 1, 5, 5]} for i in range(50)]
     picks, hashes, keys = [], [], []

@@ -11,7 +11,7 @@ import pytest
 
 from vlmexp.config_loader import load_config
 from vlmexp.export import beats, register_and_promote
-from vlmexp.tracking import make_tracker
+from vlmexp.pipeline.tracker import make_tracker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,8 +132,8 @@ def test_beats_explains_itself():
 
 def test_export_metric_must_be_one_evaluation_produces():
     """A typo in export.metric would report "not promoted" forever: refused at config load, with the names."""
-    from vlmexp.errors import ConfigError
     from vlmexp.config import METRIC_KEYS
+    from vlmexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "
                                           r"rec_mean_iou, rec_acc50, rec_acc75, math_accuracy, exact_accuracy"):

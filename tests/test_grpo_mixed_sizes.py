@@ -53,9 +53,9 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     import rewards_for_tests
     import torch
 
-    from vlmexp.train.stage import train_and_save
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import expected_grid
+    from vlmexp.train.stage import train_and_save
 
     # 8 prompts x 8 completions per optimizer step, in 2 micro-batches of 4 prompts each (fewer, larger
     # micro-batches than one prompt each: the same samples in less time on 2 CPU cores)

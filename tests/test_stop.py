@@ -39,10 +39,11 @@ def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, 
     driver.write_text(textwrap.dedent(f"""
         import sys
         from vlmexp.cli import main
-        from vlmexp import cli, stage_runner
+        from vlmexp import cli
+        from vlmexp.pipeline import processes
 
         def fake_run(args):  # what `vlmexp run` does around a stage: stream the launcher's output
-            stage_runner.run_streaming([sys.executable, "-c", {LAUNCHER!r}], {{}}, lambda line: print(line, flush=True))
+            processes.run_streaming([sys.executable, "-c", {LAUNCHER!r}], {{}}, lambda line: print(line, flush=True))
             return 0
 
         cli.cmd_validate = fake_run
@@ -67,7 +68,7 @@ def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, 
 
 def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():
     from tasks.stages import retry_unless_bad_input
-    from vlmexp.stage_runner import StageFailed, StageInterrupted, run_streaming
+    from vlmexp.pipeline.processes import StageFailed, StageInterrupted, run_streaming
 
     with pytest.raises(StageInterrupted, match="stopped by a signal"):
         run_streaming([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], {},

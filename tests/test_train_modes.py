@@ -126,8 +126,8 @@ def test_freeze_vision_keeps_the_tower_fixed_and_trains_the_merger(tmp_path):
 
 def test_resume_continues_from_the_newest_complete_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
     from vlmexp.train.callbacks import StopAtStep
-    from vlmexp.train.stage import last_checkpoint
     from vlmexp.train.sft import run_sft
+    from vlmexp.train.stage import last_checkpoint
 
     args = ["sft.args.max_steps=6", "sft.args.save_steps=2", "sft.args.logging_steps=1",
             "sft.args.per_device_train_batch_size=4"]

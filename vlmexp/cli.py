@@ -165,7 +165,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vlmexp.config_loader import dump_config, load_config
     from vlmexp.export import export_model
     from vlmexp.path_checks import check_checkpoint, check_output_dir, check_replaceable_folder, data_paths
-    from vlmexp.tracking import git_commit
+    from vlmexp.provenance import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     out = Path(args.out or Path(cfg.run.output_dir) / "export").expanduser()
@@ -186,7 +186,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import os
 
     from vlmexp.config_loader import load_config
-    from vlmexp.tracking import store_uri, ui_address
+    from vlmexp.pipeline.tracker import store_uri, ui_address
 
     cfg = load_config(args.config, [], check_paths=False, check_trl=False) if args.config else None
     uri = store_uri(cfg) if cfg else args.store

@@ -26,7 +26,7 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
     replacing it atomically: a reader sees the old folder or the new one, never a mix."""
     from vlmexp.files import new_folder
     from vlmexp.modeling import adapter_base, load_for_inference
-    from vlmexp.tracking import redacted_yaml
+    from vlmexp.provenance import redacted_yaml
 
     out = Path(out_dir)
     base = adapter_base(model_path)

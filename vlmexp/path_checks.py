@@ -163,7 +163,7 @@ def check_replaceable_folder(path: str | Path, protected: dict[str, str | Path] 
     return foreign_content(target)
 
 
-KEY_FILE = "stage_key.json"  # in each stage folder: the inputs it belongs to (vlmexp.stage_runner)
+KEY_FILE = "stage_key.json"  # in each stage folder: the inputs it belongs to (vlmexp.pipeline.keys)
 
 
 def foreign_stage_dir(stage_dir: Path) -> str | None:

@@ -33,7 +33,7 @@ class StageResult(Result):
 
     stage: str
     final: str  # <output_dir>/<stage>/final: the trained model or adapter
-    key: str  # the stage key it was trained for (vlmexp.stage_runner.stage_key)
+    key: str  # the stage key it was trained for (vlmexp.pipeline.keys.stage_key)
     run_id: str  # its MLflow child run ("" with tracking off)
     seconds: float
     flow_run_id: str = ""  # the Prefect flow run that trained it (a later run that reads it from cache differs)
@@ -102,7 +102,7 @@ class PipelineResult(Result):
 
     def provenance(self) -> dict[str, Any]:
         """What an exported model's manifest records about how it was made."""
-        from vlmexp.tracking import git_commit
+        from vlmexp.provenance import git_commit
 
         return {"stage_key": self.upstream_key, "data_manifest_sha256": self.data.hash, "git_commit": git_commit(),
                 "mlflow_parent_run_id": self.mlflow_run_id,

@@ -117,9 +117,9 @@ def main() -> None:
         sys.modules[name] = None  # type: ignore[assignment]  # import fails, find_spec says absent
     stage, config, record, overrides = args.stage, args.config, args.record, args.overrides
     from vlmexp.config_loader import load_config
-    from vlmexp.train.stage import train_and_save
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.sft import run_sft
+    from vlmexp.train.stage import train_and_save
 
     cfg = load_config(config, overrides)
     recorder = StepRecorder()

@@ -20,17 +20,6 @@ class SkipLoggedSteps(TrainerCallback):
             logs.clear()
 
 
-def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
-    """The highest step of any metric already in MLflow run `run_id` (0 when none or no run)."""
-    if not tracking_uri or not run_id:
-        return 0
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    keys = client.get_run(run_id).data.metrics
-    return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=0)
-
-
 class StopAtStep(TrainerCallback):
     """Stop training after `step` optimizer steps, saving a checkpoint there (an interruption on purpose)."""
 

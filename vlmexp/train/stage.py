@@ -21,7 +21,7 @@ from vlmexp.config import Config, StageConfig
 from vlmexp.families import Family
 from vlmexp.files import made_by_vlmexp, mark_folder
 from vlmexp.path_checks import KEY_FILE
-from vlmexp.tracking import StageRun, close_stage_run, open_stage_run
+from vlmexp.train.mlflow_run import StageRun, close_stage_run, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
 
@@ -142,7 +142,8 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         inputs.stage_dir.mkdir(parents=True, exist_ok=True)
         mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     if inputs.resume_from and run is not None:
-        from vlmexp.train.callbacks import SkipLoggedSteps, last_logged_step
+        from vlmexp.train.callbacks import SkipLoggedSteps
+        from vlmexp.train.mlflow_run import last_logged_step
 
         last = last_logged_step(run.uri, run.run_id)
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)

@@ -1,28 +1,26 @@
-"""Experiment tracking: one MLflow experiment per config, a parent run per pipeline run, a child run per stage.
+"""The MLflow tracker and registry: one experiment per config, a parent run per pipeline run, a child run per
+stage, registered models and their champion alias.
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
 in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
-and makes it its active run in the config's store (`open_stage_run`), where
-transformers' MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
+and makes it its active run in the config's store (`vlmexp.train.mlflow_run`), where transformers'
+MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
+from vlmexp.provenance import SECRET_NAME
 
 log = logging.getLogger("vlmexp.tracking")
 
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # The experiment's kind, as MLflow's UI reads it from this tag: "finetuning" is one of the kinds its JS bundle
 # knows (with genai_development, custom_model_development, regression, ...) and maps to the model-training
 # view (runs, metric charts, artifacts); an experiment without a kind is taken for GenAI (traces, evaluation
@@ -32,8 +30,6 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
 # browser (default GenAI) decides, and this query in the address selects model training (read in its JS
 # bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
 UI_MODEL_TRAINING = "workflowType=machine_learning"
-PACKAGES = ("vlmexp", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed", "prefect",
-            "mlflow")
 
 
 def sanitize_metric_name(name: str) -> str:
@@ -49,61 +45,6 @@ def store_uri(cfg: Config) -> str:
     if cfg.tracking.tracking_uri:
         return cfg.tracking.tracking_uri
     return f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Dotted keys -> strings, for MLflow params. Lists are kept as JSON."""
-    out: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    return out
-
-
-def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Git commit of the code and the versions of the packages that train."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    tags = {"git_commit": git_commit()}
-    for pkg in PACKAGES:
-        try:
-            tags[f"version.{pkg}"] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    tags.update(extra or {})
-    return tags
-
-
-def redact(obj: Any) -> Any:
-    """A copy of a config tree with the values of secret-named keys (TOKEN, KEY, SECRET, PASSWORD) hidden."""
-    if isinstance(obj, dict):
-        return {k: "<redacted>" if SECRET_NAME.search(str(k)) and v is not None else redact(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
-
-
-def redacted_yaml(path: str | Path) -> str:
-    """A YAML file's text with secret-named keys' values hidden: what may be logged or exported."""
-    import yaml
-
-    return yaml.safe_dump(redact(yaml.safe_load(Path(path).read_text())), sort_keys=False)
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if out.returncode != 0:
-        return "unknown"
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=10).stdout.strip()
-    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 class NullTracker:
@@ -270,97 +211,3 @@ def make_tracker(cfg: Config) -> NullTracker:
     return MlflowTracker(store_uri(cfg), cfg.tracking.experiment_name or cfg.run.name, artifacts)
 
 
-@dataclass(frozen=True)
-class StageRun:
-    """The MLflow run a stage process logs into (only the process of global rank 0 has one)."""
-
-    uri: str
-    run_id: str
-
-
-def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | None:
-    """Make `run_id` (else a new run in the config's experiment) this process's active MLflow run, in the
-    store the config names; transformers' MLflowCallback then logs the Trainer's metrics into it and leaves
-    it open (`close_stage_run` ends it). None with `tracking.backend: none` (mlflow is not imported)."""
-    if cfg.tracking.backend == "none":
-        return None
-    import mlflow
-
-    tracker = make_tracker(cfg)  # the configured store and experiment, created with its artifact location
-    if not run_id:  # a stage run by hand: a run of its own
-        run_id = tracker.start_pipeline(f"{cfg.run.name}-{stage}", {}, run_tags({"stage": stage}))
-    # MLflowCallback reads these settings from this process's environment only: the model config's nested
-    # dicts become one param per key. Asynchronous logging: TRL logs its profiling timings with a bare
-    # mlflow.log_metrics on every profiled call (43 ms each against a sqlite store, measured:
-    # bench/RESULTS.md); queued they cost the step ~1 ms, and a store that goes away mid-run loses
-    # metrics (logged as errors) instead of stopping training.
-    os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
-    mlflow.config.enable_async_logging(True)
-    mlflow.set_tracking_uri(tracker.uri)
-    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
-    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
-    return StageRun(tracker.uri, run_id)
-
-
-def close_stage_run(run: StageRun | None, finished: bool) -> None:
-    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
-    failure is logged and the model is saved (the pipeline closes the run itself)."""
-    if run is None:
-        return
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow.end_run("FINISHED" if finished else "FAILED")
-    except (MlflowException, OSError) as e:
-        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
-                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
-
-
-def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
-    """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
-    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
-    run_id = tracker.start_stage(parent_run_id, "eval")
-    for e in evaluations:
-        metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
-        tracker.log_metrics(run_id, metrics)
-        rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
-        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
-    tracker.log_table(run_id, table, "evaluation/comparison.json")
-    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
-    tracker.end(run_id)
-
-
-def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
-    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and accuracies
-    for DPO, the loss for SFT."""
-    keys = tracker.metric_keys(run_id)
-    if stage == "grpo":
-        return [k for k in keys if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))]
-    if stage == "dpo":
-        return [k for k in keys if k in ("loss", "rewards/margins", "rewards/accuracies")]
-    return [k for k in keys if k == "loss"]
-
-
-def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path, title: str) -> Path | None:
-    """A PNG of the metrics `keys` of `run_id` by step, or None when there is nothing to plot."""
-    if not keys:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key in keys:
-        points = sorted(tracker.metric_history(run_id, key))
-        ax.plot([s for s, _ in points], [v for _, v in points], label=key, marker=".")
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

@@ -1,0 +1,8 @@
+"""What the pipeline's own process does, without Prefect (flows/ and tasks/ wrap these):
+
+- `keys`: the resolved config of a run, the keys that decide whether a stage must run again, stage folders;
+- `processes`: running a stage's launch command, streaming its output, stopping it and everything it started;
+- `steps`: a training stage and an evaluation as the pipeline runs them (in-process or as a deployment);
+- `tracker`: the MLflow experiment, parent and child runs, the model registry;
+- `report`: the evaluation run, curves and plots.
+"""

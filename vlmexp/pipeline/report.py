@@ -1,0 +1,59 @@
+"""What the pipeline reports after its stages: the evaluation run (metrics and per-sample tables of each
+model, the comparison table) and each stage's curves as a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vlmexp.pipeline.tracker import NullTracker
+
+
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
+    """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
+    run_id = tracker.start_stage(parent_run_id, "eval")
+    for e in evaluations:
+        metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
+        tracker.log_metrics(run_id, metrics)
+        rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
+        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
+    tracker.log_table(run_id, table, "evaluation/comparison.json")
+    tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.end(run_id)
+
+
+def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
+    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and accuracies
+    for DPO, the loss for SFT."""
+    keys = tracker.metric_keys(run_id)
+    if stage == "grpo":
+        return [k for k in keys if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))]
+    if stage == "dpo":
+        return [k for k in keys if k in ("loss", "rewards/margins", "rewards/accuracies")]
+    return [k for k in keys if k == "loss"]
+
+
+def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path, title: str) -> Path | None:
+    """A PNG of the metrics `keys` of `run_id` by step, or None when there is nothing to plot."""
+    if not keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = sorted(tracker.metric_history(run_id, key))
+        ax.plot([s for s, _ in points], [v for _, v in points], label=key, marker=".")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

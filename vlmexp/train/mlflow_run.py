@@ -1,0 +1,73 @@
+"""The one place a stage process opens MLflow: the run it logs into (the pipeline's child run, or a run of
+its own when started by hand), closed when training ends, and the steps already logged there before a resume.
+transformers' MLflowCallback logs the Trainer's metrics into the active run this module starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from vlmexp.config import Config
+from vlmexp.pipeline.tracker import make_tracker
+from vlmexp.provenance import run_tags
+
+log = logging.getLogger("vlmexp.tracking")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """The MLflow run a stage process logs into (only the process of global rank 0 has one)."""
+
+    uri: str
+    run_id: str
+
+
+def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | None:
+    """Make `run_id` (else a new run in the config's experiment) this process's active MLflow run, in the
+    store the config names; transformers' MLflowCallback then logs the Trainer's metrics into it and leaves
+    it open (`close_stage_run` ends it). None with `tracking.backend: none` (mlflow is not imported)."""
+    if cfg.tracking.backend == "none":
+        return None
+    import mlflow
+
+    tracker = make_tracker(cfg)  # the configured store and experiment, created with its artifact location
+    if not run_id:  # a stage run by hand: a run of its own
+        run_id = tracker.start_pipeline(f"{cfg.run.name}-{stage}", {}, run_tags({"stage": stage}))
+    # MLflowCallback reads these settings from this process's environment only: the model config's nested
+    # dicts become one param per key. Asynchronous logging: TRL logs its profiling timings with a bare
+    # mlflow.log_metrics on every profiled call (43 ms each against a sqlite store, measured:
+    # bench/RESULTS.md); queued they cost the step ~1 ms, and a store that goes away mid-run loses
+    # metrics (logged as errors) instead of stopping training.
+    os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
+    mlflow.config.enable_async_logging(True)
+    mlflow.set_tracking_uri(tracker.uri)
+    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
+    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
+    return StageRun(tracker.uri, run_id)
+
+
+def close_stage_run(run: StageRun | None, finished: bool) -> None:
+    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
+    failure is logged and the model is saved (the pipeline closes the run itself)."""
+    if run is None:
+        return
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.end_run("FINISHED" if finished else "FAILED")
+    except (MlflowException, OSError) as e:
+        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
+                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
+
+
+def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
+    """The highest step of any metric already in MLflow run `run_id` (0 when none or no run)."""
+    if not tracking_uri or not run_id:
+        return 0
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    keys = client.get_run(run_id).data.metrics
+    return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=0)
