@@ -170,11 +170,10 @@ def table(out_dir: Path) -> str:
         rows.append(row)
     machines = sorted({c["machine"] for c in cells})
     threads = sorted({c["threads"] for c in cells})
-    walls = [c["total_s"] for c in cells]
+    folder = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
     note = (f"\nMeasured on {', '.join(machines)}, {'/'.join(map(str, threads))} thread(s), config "
             f"`{cells[0]['config']}` at {', '.join(sorted({c['commit'] for c in cells}))}; held-out rec_mean_iou "
-            f"of 256 records; training and evaluation took {min(walls) / 60:.1f}-{max(walls) / 60:.1f} min a cell "
-            f"(bench/demo_matrix.py, one JSON per cell in {out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir}).")
+            f"of 256 records (bench/demo_matrix.py, one JSON per cell in {folder}, each with its phases' seconds).")
     return "\n".join(rows) + "\n" + note
 
 

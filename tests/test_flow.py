@@ -98,7 +98,14 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert parent.data.params["config.grpo.args.max_steps"] == "3"
     assert parent.data.params["config.model.path"] == "tiny:qwen2_5_vl"
     tags = parent.data.tags
+    from vlmexp.provenance import command_name
+
     assert tags["git_commit"] and tags["version.trl"] and tags["prefect.flow_run_id"]
+    for run in runs.values():  # the runs table's Source column: the command and the code's commit, every run
+        source = run.data.tags
+        assert source["mlflow.source.type"] == "LOCAL" and source["mlflow.source.name"] == command_name(), source
+        assert source["mlflow.source.git.commit"] == tags["git_commit"].removesuffix("-dirty")
+        assert source["git_dirty"] == str(tags["git_commit"].endswith("-dirty")).lower()
     assert len(tags["data.manifest_sha256"]) == 64 and tags["stage.grpo"] == "trained"
     assert {"config.resolved.yaml", "data/train.manifest.json", "evaluation/comparison.json",
             "summary.md", "export/manifest.json"} <= set(_artifacts(client, parent.info.run_id))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,8 +44,9 @@ def made_by_vlmexp(folder: str | Path) -> bool:
 
 def mark_folder(folder: str | Path, what: str) -> None:
     """Mark `folder` as one vlmexp made: what it is and the command that made it (never its arguments)."""
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]])
-    marker = {"made_by": "vlmexp", "what": what, "command": command}
+    from vlmexp.provenance import command_name
+
+    marker = {"made_by": "vlmexp", "what": what, "command": command_name()}
     (Path(folder) / MARKER).write_text(json.dumps(marker) + "\n")
 
 

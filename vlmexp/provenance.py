@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,28 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def command_name() -> str:
+    """The command this process runs as a person typed it: the program and its subcommand, never the arguments
+    (they may hold paths or values a person would not publish)."""
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]) if sys.argv and sys.argv[0] else "python"
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's own source tags, which fill the runs table's Source column and the run page's source and
+    commit: the entry point (the command), the code's git commit, and whether the checkout had local changes."""
+    commit = git_commit()
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": command_name(),
+            "git_dirty": str(commit.endswith("-dirty")).lower()}
+    if commit != "unknown":
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+    return tags
+
+
 def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Git commit of the code and the versions of the packages that train."""
+    """Git commit of the code, the source MLflow shows (`source_tags`), the versions of the packages that train."""
     from importlib.metadata import PackageNotFoundError, version
 
-    tags = {"git_commit": git_commit()}
+    tags = {"git_commit": git_commit(), **source_tags()}
     for pkg in PACKAGES:
         try:
             tags[f"version.{pkg}"] = version(pkg)

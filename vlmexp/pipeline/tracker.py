@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
-from vlmexp.provenance import SECRET_NAME
+from vlmexp.provenance import SECRET_NAME, source_tags
 
 log = logging.getLogger("vlmexp.tracking")
 
@@ -112,7 +112,8 @@ class MlflowTracker(NullTracker):
 
     def start_stage(self, parent_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
         run = self.client.create_run(self.experiment_id, run_name=name,
-                                     tags={"mlflow.parentRunId": parent_id, "stage": name, **(tags or {})})
+                                     tags={"mlflow.parentRunId": parent_id, "stage": name, **source_tags(),
+                                           **(tags or {})})
         return run.info.run_id
 
     def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
