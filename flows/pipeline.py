@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 
+from flows.stopping import cancel_child_runs, mark_killed, on_stopped
 from tasks.stages import (
     evaluate_model,
     export_model,
@@ -37,13 +40,29 @@ def _cached(task, force: bool, retries: int, delay: float, **params: Any):
     return result
 
 
-@flow(name="vlm-pipeline", log_prints=True)
+@flow(name="vlm-pipeline", log_prints=True, on_cancellation=[on_stopped], on_crashed=[on_stopped])
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
+    """The pipeline. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped (never retried), its stage
+    runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""
     from vlmexp.errors import quiet_bad_input_tracebacks
-    from vlmexp.pipeline.keys import check_pipeline_parameters, load_resolved, stage_key
+    from vlmexp.pipeline.keys import check_pipeline_parameters
+    from vlmexp.pipeline.processes import StageInterrupted
 
     quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
     check_pipeline_parameters(config, overrides)
+    started: dict[str, Any] = {}  # what a stop must close: the resolved config and the MLflow runs
+    try:
+        return _pipeline(config, overrides, force, started)
+    except (KeyboardInterrupt, TerminationSignal, StageInterrupted) as stop:
+        by = "SIGTERM" if isinstance(stop, TerminationSignal) or str(stop) == "signal 15" else "Ctrl-C"
+        cancel_child_runs(str(flow_run.id or ""))
+        mark_killed(started.get("resolved"), [started.get("parent", "")])  # a stage's run: pipeline/steps.py
+        return Cancelled(message=f"stopped by {by}; run the same command again to resume")
+
+
+def _pipeline(config: str, overrides: list[str] | None, force: bool, started: dict[str, Any]) -> PipelineResult:
+    from vlmexp.pipeline.keys import load_resolved, stage_key
+
     pending = validate_config(config, overrides or [])
     cfg = load_resolved(pending)
     retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}
@@ -51,6 +70,7 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
     this_run = str(flow_run.id or "")
     run = PipelineResult(name=cfg.run.name, config=config, data=data, flow_run_id=this_run,
                          mlflow_run_id=start_tracking(data.resolved, data.hash, this_run))
+    started.update(resolved=data.resolved, parent=run.mlflow_run_id)
     tracked = {"resolved": data.resolved, "parent_run_id": run.mlflow_run_id, **retry}
 
     for stage in TRAINING_STAGES:

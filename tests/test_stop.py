@@ -37,7 +37,8 @@ def _alive(pid: int) -> bool:
 def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, code):
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started from a shell's background job
         from vlmexp.cli import main
         from vlmexp import cli
         from vlmexp.pipeline import processes
@@ -84,3 +85,92 @@ def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():
     assert retry_unless_bad_input(None, None, State(StageInterrupted("stopped"))) is False
     assert retry_unless_bad_input(None, None, State(KeyboardInterrupt())) is False
     assert retry_unless_bad_input(None, None, State(StageFailed("exit 1"))) is True
+
+
+SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=60", "sft.args.save_steps=2",
+             "sft.args.logging_steps=1", "sft.args.per_device_train_batch_size=4", "grpo.args.max_steps=2",
+             "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+             "grpo.args.max_completion_length=12", "eval.max_new_tokens=12",
+             "launch.launcher=torchrun", "launch.nproc_per_node=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, by", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_signal_stops_a_pipeline_run_under_torchrun_and_a_rerun_resumes(tmp_path, sig, code, by):
+    """`vlmexp run` with SFT under torchrun (2 processes), stopped once its first checkpoint is saved: it exits
+    with the signal's status within seconds, no process it started is left, its MLflow runs are KILLED, its
+    flow run ends Cancelled (the temporary server is gone afterwards, so its last log line says so), and the
+    same command again resumes SFT from that checkpoint and finishes."""
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={out}", *SMALL_RUN]
+
+    def start(log):
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+
+    first = start(tmp_path / "first.log")
+    deadline = time.monotonic() + 300
+    while not (out / "sft" / "checkpoint-2" / "trainer_state.json").is_file():
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.2)
+    tree = psutil.Process(first.pid).children(recursive=True)
+    assert any("torchrun" in " ".join(p.cmdline()) for p in tree)
+    start_stop = time.monotonic()
+    first.send_signal(sig)
+    assert first.wait(timeout=90) == code
+    assert time.monotonic() - start_stop < 60
+    log = (tmp_path / "first.log").read_text()
+    assert f"Cancelled('stopped by {by}" in log and f"stopped by {by}; run the same command again" in log
+    time.sleep(1)
+    assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "left running"
+    assert not (out / "sft" / "final").exists()
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    runs = {r.info.run_name: r.info.status for r in client.search_runs([e.experiment_id for e in client.search_experiments()])}
+    assert runs == {"demo-pipeline": "KILLED", "demo-sft": "KILLED"}, runs
+
+    second = start(tmp_path / "second.log")
+    assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    again = (tmp_path / "second.log").read_text()
+    assert f"(resume: {out / 'sft' / 'checkpoint-'}" in again, again[-3000:]
+    assert (out / "sft" / "final").is_dir() and (out / "grpo" / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
+    """A stage run on another work pool is a subflow of the pipeline's task; Prefect leaves it running when the
+    pipeline stops, so the pipeline asks it to cancel (its worker then stops the stage's processes)."""
+    from prefect import flow, get_client, task
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.stopping import cancel_child_runs
+
+    @flow(name="pipeline-like")
+    def parent():
+        pass
+
+    @flow(name="stage-like")
+    def child():
+        pass
+
+    @task(name="train-stage")
+    def train():
+        pass
+
+    with prefect_test_harness(server_startup_timeout=60), get_client(sync_client=True) as client:
+        parent_run = client.create_flow_run(parent)
+        task_run = client.create_task_run(train, flow_run_id=parent_run.id, dynamic_key="0")
+        running = client.create_flow_run(child, parent_task_run_id=task_run.id)
+        from prefect.states import Completed, Running
+
+        client.set_flow_run_state(running.id, Running(), force=True)
+        done = client.create_flow_run(child, parent_task_run_id=task_run.id)
+        client.set_flow_run_state(done.id, Completed(), force=True)
+        other = client.create_flow_run(child)  # not this pipeline's
+
+        assert cancel_child_runs(str(parent_run.id)) == [str(running.id)]
+        assert client.read_flow_run(running.id).state.type.value == "CANCELLING"
+        assert client.read_flow_run(done.id).state.type.value == "COMPLETED"
+        assert client.read_flow_run(other.id).state.type.value == "PENDING"

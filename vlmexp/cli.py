@@ -83,6 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prefect): `vlmexp run` is a shortcut for calling the flow.
     """
     import os
+    import signal
 
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
@@ -90,13 +91,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import vlm_pipeline
 
-    result = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force)
-    print(result.summary)
+    state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force, return_state=True)
     # Send the flow's last log lines while the temporary server is up: at exit Prefect stops the server
     # first and then waits 5 s for a log worker that can no longer reach it.
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()
+    if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
+        raise KeyboardInterrupt(f"signal {int(signal.SIGTERM)}" if "SIGTERM" in (state.message or "") else "")
+    print(state.result().summary)
     return 0
 
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from vlmexp.path_checks import KEY_FILE
 from vlmexp.pipeline.keys import claim_stage_dir, load_resolved
-from vlmexp.pipeline.processes import StageFailed, run_streaming, stage_env
+from vlmexp.pipeline.processes import StageFailed, StageInterrupted, run_streaming, stage_env
 from vlmexp.results import Evaluation, Result, StageResult
 
 R = TypeVar("R", bound=Result)
@@ -49,8 +49,9 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     start = time.monotonic()
     try:
         run_streaming(command, stage_env(), on_line)
-    except BaseException:
-        tracker.end(run_id, "FAILED")
+    except BaseException as e:  # stopped (Ctrl-C, SIGTERM, a cancel): KILLED, as MLflow names a stopped run
+        stopped = isinstance(e, (StageInterrupted, KeyboardInterrupt)) or type(e).__name__ == "TerminationSignal"
+        tracker.end(run_id, "KILLED" if stopped else "FAILED")
         raise
     seconds = time.monotonic() - start
     png = plot_curves(tracker, run_id, curve_keys(tracker, run_id, stage), stage_dir / "curves.png",

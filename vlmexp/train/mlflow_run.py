@@ -47,19 +47,20 @@ def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | No
     return StageRun(tracker.uri, run_id)
 
 
-def close_stage_run(run: StageRun | None, finished: bool) -> None:
-    """End the stage's MLflow run. A store that went away mid-run must not cost the finished model: the
-    failure is logged and the model is saved (the pipeline closes the run itself)."""
+def close_stage_run(run: StageRun | None, status: str) -> None:
+    """End the stage's MLflow run as FINISHED, FAILED or KILLED (stopped). A store that went away mid-run must not
+    cost the finished model: the failure is logged and the model is saved (the pipeline closes the run itself)."""
     if run is None:
         return
     import mlflow
     from mlflow.exceptions import MlflowException
 
     try:
-        mlflow.end_run("FINISHED" if finished else "FAILED")
+        mlflow.end_run(status)
     except (MlflowException, OSError) as e:
-        log.warning("%s, but MLflow could not close the run (%s)%s", "training finished" if finished else
-                    "training failed", str(e).splitlines()[0][:300], "; saving the model" if finished else "")
+        finished = status == "FINISHED"
+        log.warning("training ended %s, but MLflow could not close the run (%s)%s", status,
+                    str(e).splitlines()[0][:300], "; saving the model" if finished else "")
 
 
 def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:

@@ -150,10 +150,13 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
-    except BaseException:
-        close_stage_run(run, finished=False)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
+        close_stage_run(run, "KILLED")
         raise
-    close_stage_run(run, finished=True)
+    except BaseException:
+        close_stage_run(run, "FAILED")
+        raise
+    close_stage_run(run, "FINISHED")
     final = inputs.stage_dir / "final"
     trainer.save_model(str(final))
     if trainer.args.should_save:
