@@ -1,4 +1,4 @@
-"""Sampling sources larger than memory: wall time and peak RSS of `vlmexp.data.mixture.sample_sources`.
+"""Sampling sources larger than memory: wall time and peak RSS of `vlmexp.data.sampling.sample_sources`.
 
 Builds (once, under --work) a VLM-R1 REC JSONL of --records records over 1,000 image files, the same
 records as 10 parquet shards, and a parquet of --embedded records with embedded PNGs (all different), then
@@ -79,7 +79,7 @@ def build(work: Path, records: int, embedded: int) -> None:
 def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
     """One sampling in a fresh process: wall seconds, peak RSS in MiB, rows kept."""
     script = ("import sys, time, shutil; from pathlib import Path; from vlmexp.config import DataSource; "
-              "from vlmexp.data.mixture import sample_sources; out = Path(sys.argv[3]); shutil.rmtree(out, True); "
+              "from vlmexp.data.sampling import sample_sources; out = Path(sys.argv[3]); shutil.rmtree(out, True); "
               "t = time.perf_counter(); r = sample_sources([DataSource(json_path=sys.argv[1], "
               "sampling_strategy=sys.argv[2])], out / 'train.jsonl', 1); "
               "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "

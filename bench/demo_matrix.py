@@ -77,10 +77,10 @@ def run_cell(config: str, seed: int, dpo_config: str | None, overrides: list[str
     import torch
 
     from vlmexp.config_loader import load_config
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import evaluate
+    from vlmexp.files import read_jsonl
     from vlmexp.modeling import resolve_model
-    from vlmexp.prompts import read_jsonl
     from vlmexp.train.dpo import run_dpo
     from vlmexp.train.grpo import run_grpo
     from vlmexp.train.sft import run_sft

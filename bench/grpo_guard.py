@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_guard.json"))
     args = parser.parse_args()
     from vlmexp.config_loader import load_config
-    from vlmexp.prompts import read_jsonl
+    from vlmexp.files import read_jsonl
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import expected_grid
 

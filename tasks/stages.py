@@ -58,7 +58,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 def sample_data(pending: str) -> SampledData:
     """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.modeling import resolve_model
     from vlmexp.pipeline.keys import commit_resolved, load_resolved
     from vlmexp.prompts import check_sft_targets

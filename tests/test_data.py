@@ -13,7 +13,7 @@ from conftest import VARIED_SCENES, make_png, write_json, write_jsonl
 
 from vlmexp.config import DataSource
 from vlmexp.data.demo import demo_folder_name
-from vlmexp.data.mixture import sample_sources
+from vlmexp.data.sampling import sample_sources
 from vlmexp.data.sources import load_data_yaml
 from vlmexp.errors import DataError
 
@@ -214,7 +214,7 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
 
     from vlmexp.config_loader import load_config
     from vlmexp.data.demo import COLORS
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.errors import ConfigError
 
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=6",
@@ -245,7 +245,7 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
     from vlmexp.config_loader import load_config
     from vlmexp.coords import iou
     from vlmexp.data.demo import Annotator, make_demo_data
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.families import get_family
     from vlmexp.processor import PixelBudget
     from vlmexp.prompts import target_text

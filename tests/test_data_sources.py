@@ -16,7 +16,7 @@ import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
 
 from vlmexp.config import DataSource
-from vlmexp.data.mixture import sample_sources
+from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,7 +246,7 @@ def test_a_lying_png_file_and_non_utf8_lines_are_problems_naming_the_record(tmp_
 def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, monkeypatch):
     """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage key."""
     from vlmexp.config_loader import load_config
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.pipeline.keys import stage_key
 
     rows = [{"image": "im.png", "problem": f"thing {i}", "solution": [1, 1, 5, 5]} for i in range(50)]

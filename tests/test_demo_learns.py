@@ -30,7 +30,7 @@ def _area_ratio(samples: Path) -> float:
 
 
 def test_demo_recipe_grounds_like_its_loose_annotator_and_gives_grpo_a_signal(tmp_path):
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import evaluate
     from vlmexp.train.grpo import run_grpo
     from vlmexp.train.sft import run_sft

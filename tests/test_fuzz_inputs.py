@@ -167,7 +167,7 @@ def _record_bytes(rows, suffix: str) -> bytes:
 
 
 def _sample(folder: Path, record_file: bytes, suffix: str, image: bytes, strategy: str = "all"):
-    from vlmexp.data.mixture import sample_sources
+    from vlmexp.data.sampling import sample_sources
 
     (folder / f"r{suffix}").write_bytes(record_file)
     (folder / "a.png").write_bytes(image)

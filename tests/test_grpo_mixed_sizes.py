@@ -27,8 +27,8 @@ def _cfg(out, *overrides):
 
 
 def _records(cfg):
-    from vlmexp.data.splits import prepare_data
-    from vlmexp.prompts import read_jsonl
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.files import read_jsonl
 
     return {r["source_row"]: r for r in read_jsonl(prepare_data(cfg).train)}
 

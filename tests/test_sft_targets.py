@@ -11,7 +11,7 @@ from conftest import make_png, write_json, write_jsonl
 
 from vlmexp.cli import main
 from vlmexp.config import DataSource, SFTStageConfig
-from vlmexp.data.mixture import sample_sources
+from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
 from vlmexp.families import get_family
 from vlmexp.processor import PixelBudget

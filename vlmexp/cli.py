@@ -64,7 +64,7 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from vlmexp.data.mixture import format_report, sample_sources
+    from vlmexp.data.sampling import format_report, sample_sources
     from vlmexp.data.sources import load_data_yaml
     from vlmexp.path_checks import check_output_file
 
@@ -108,7 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from vlmexp.config_loader import load_config
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import check_sampled_records, evaluate
     from vlmexp.path_checks import check_checkpoint, check_output_dir
 

@@ -216,10 +216,10 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
     from transformers import set_seed
 
-    from vlmexp.files import atomic_write
+    from vlmexp.files import atomic_write, read_jsonl
     from vlmexp.modeling import load_for_inference
     from vlmexp.processor import pixel_budget, prefills_think
-    from vlmexp.prompts import build_prompt, load_images, read_jsonl
+    from vlmexp.prompts import build_prompt, load_images
 
     set_seed(cfg.run.seed)
     records = read_jsonl(records_path)

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: str | Path, content: str | bytes) -> Path:
@@ -32,6 +33,11 @@ def atomic_write(path: str | Path, content: str | bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file vlmexp wrote (sampled data, samples, pairs), blank lines skipped."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 MARKER = ".vlmexp-made.json"

@@ -3,7 +3,6 @@ GRPO, DPO and evaluation (training and evaluation both read them from here)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +10,7 @@ from vlmexp.config import FRAME_HINTS, DataConfig
 from vlmexp.coords import format_box, parse_box, to_frame
 from vlmexp.data.formats import ANSWER_TEXT, parse_record
 from vlmexp.families import Family
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+from vlmexp.files import read_jsonl
 
 
 def build_prompt(record: dict[str, Any], data: DataConfig, family: Family) -> list[dict[str, Any]]:

@@ -15,7 +15,8 @@ from typing import Any
 from vlmexp.config import DataConfig
 from vlmexp.data.formats import parse_record
 from vlmexp.families import Family
-from vlmexp.prompts import build_prompt, load_images, read_jsonl, target_text
+from vlmexp.files import read_jsonl
+from vlmexp.prompts import build_prompt, load_images, target_text
 
 
 def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, stage: str,

@@ -43,7 +43,7 @@ def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any]
 
 def load_pairs(inputs: StageInputs) -> list[dict[str, Any]]:
     """Pair rows {prompt, image_paths, chosen, rejected, ...} from the data or from the model's samples."""
-    from vlmexp.prompts import read_jsonl
+    from vlmexp.files import read_jsonl
 
     if inputs.cfg.dpo.pairs.from_ == "samples":
         path = inputs.stage_dir / PAIRS_FILE
@@ -65,7 +65,8 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
     """The sampled records as pairs; every one must be in the "pairs" format (checked before any model loads)."""
     from vlmexp.data.formats import parse_record
     from vlmexp.errors import DataError, Problem
-    from vlmexp.prompts import build_prompt, read_jsonl
+    from vlmexp.files import read_jsonl
+    from vlmexp.prompts import build_prompt
 
     out, problems = [], []
     for n, record in enumerate(read_jsonl(inputs.train_path), start=1):
@@ -88,9 +89,9 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     import torch
 
     from vlmexp.evaluate import generate
-    from vlmexp.files import atomic_write
+    from vlmexp.files import atomic_write, read_jsonl
     from vlmexp.modeling import load_for_inference
-    from vlmexp.prompts import build_prompt, load_images, read_jsonl
+    from vlmexp.prompts import build_prompt, load_images
     from vlmexp.rewards import build_reward
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs

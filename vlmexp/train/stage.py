@@ -50,7 +50,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from accelerate import PartialState
     from transformers import set_seed
 
-    from vlmexp.data.splits import prepare_data
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.families import detect_family
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor, pixel_budget

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmexp.config import Config, DataSource
-from vlmexp.data.mixture import SampleResult, content_sha256, sample_sources
+from vlmexp.data.sampling import SampleResult, content_sha256, sample_sources
 from vlmexp.data.sources import glob_paths, load_data_yaml, locate, resolve_relative, sha256_file
-from vlmexp.files import atomic_write
+from vlmexp.files import atomic_write, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
     results = []
     for path, rows in ((result.path, len(lines) - n_val), (val_path, n_val)):
         manifest = json.loads(result.manifest_path.read_text())
-        content = content_sha256([json.loads(line) for line in path.read_text().splitlines()])
+        content = content_sha256(read_jsonl(path))
         manifest.update(rows=rows, records_sha256=sha256_file(path), content_sha256=content,
                         holdout={"fraction": fraction, "split": path.stem})
         mpath = path.with_name(path.stem + ".manifest.json")
