@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -245,3 +246,21 @@ def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monk
     text = str(e.value)
     assert "eval.math_grader = 'mathruler'" in text and "grpo.rewards.0.kwargs.grader = 'mathruler'" in text, text
     assert text.count("pip install 'vlmexp[mathruler]'") == 2, text
+
+
+def test_grpo_refuses_records_whose_answers_no_reward_scores():
+    """Records of a task that no configured reward scores would train on the format reward alone: refused, naming
+    the task and the reward that would score it, before the model loads."""
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+    from vlmexp.rewards import unscored_tasks
+    from vlmexp.train.grpo import check_rewards_score
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")  # rewards: format, iou
+    check_rewards_score(cfg, {"rec"})
+    with pytest.raises(ConfigError) as e:
+        check_rewards_score(cfg, {"rec", "math", "detection"})
+    text = str(e.value)
+    assert "grpo.rewards" in text and "task 'math'" in text and "add math to grpo.rewards" in text
+    assert "task 'detection'" in text and "add detection to grpo.rewards" in text and "task 'rec'" not in text
+    assert unscored_tasks({"math"}, ["format", "mod:fn"]) == []  # a module:function reward may score anything

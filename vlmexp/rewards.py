@@ -410,6 +410,20 @@ def _import_timeout() -> float:
     return value
 
 
+def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
+    """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only the
+    form). A module:function reward may score any task, so with one nothing is reported."""
+    if any(name not in REGISTRY for name in names):
+        return []
+    scored = {task for name in names for task in REGISTRY[name].tasks}
+    return sorted(tasks - scored)
+
+
+def scoring_rewards(task: str) -> list[str]:
+    """The built-in rewards that score `task`'s answers."""
+    return [name for name, cls in REGISTRY.items() if task in cls.tasks]
+
+
 def check_reward_name(name: str, import_module: bool = True) -> None:
     """Raise ValueError (with the fix) unless `name` is registered or a well-formed module:function that
     imports (in a child process, `check_custom_reward`) and names a callable. `import_module=False`

@@ -34,6 +34,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
+    check_rewards_score(cfg, set(train_dataset["task"]))  # before the model loads
     model, peft_config = load_model(inputs)
     thinking = prefills_think(inputs.processor)  # completions then start inside <think> (the format reward reads so)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)
@@ -44,3 +45,17 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
                                  callbacks=list(callbacks), pixel_budget=inputs.budget)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table))
     return trainer, inputs, len(train_dataset)
+
+
+def check_rewards_score(cfg: Config, tasks: set[str]) -> None:
+    """Refuse records whose answers no configured reward scores: they would train on the format reward alone."""
+    from vlmexp.errors import ConfigError, Problem
+    from vlmexp.rewards import scoring_rewards, unscored_tasks
+
+    names = [r.name for r in cfg.grpo.rewards]
+    if missing := unscored_tasks(tasks, names):
+        raise ConfigError([Problem("grpo.rewards", "", f"the sampled records hold task {task!r}, whose answers none "
+                                   f"of the rewards {names} scores, so they would train on the format alone; add "
+                                   f"{' or '.join(scoring_rewards(task)) or 'a module:function reward'} to "
+                                   f"grpo.rewards, or leave those records out of the data", names)
+                           for task in missing])
