@@ -77,6 +77,7 @@ def sample_data(pending: str) -> SampledData:
 @task(name="start-tracking", cache_policy=NO_CACHE)
 def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.provenance import flatten, redact, redacted_yaml, run_tags
@@ -89,6 +90,7 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     tracker.log_text(parent, redacted_yaml(resolved), Path(resolved).name)  # secrets in the config stay out
     for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
         tracker.log_artifact(parent, manifest, "data")
+    tracker.log_datasets(parent, sampled_manifests(cfg))
     return parent
 
 

@@ -107,6 +107,16 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
         assert source["mlflow.source.git.commit"] == tags["git_commit"].removesuffix("-dirty")
         assert source["git_dirty"] == str(tags["git_commit"].endswith("-dirty")).lower()
     assert len(tags["data.manifest_sha256"]) == 64 and tags["stage.grpo"] == "trained"
+    # the Dataset column: the sampled data as dataset inputs, the same digest (the content's) in every run
+    content = {split: json.loads((out / "data" / f"{split}.manifest.json").read_text())["content_sha256"][:16]
+               for split in ("train", "val")}
+
+    def inputs(run):
+        return {(d.dataset.name, d.dataset.digest, next(t.value for t in d.tags if t.key == "mlflow.data.context"))
+                for d in client.get_run(run.info.run_id).inputs.dataset_inputs}
+
+    assert inputs(parent) == {("train", content["train"], "training"), ("val", content["val"], "evaluation")}
+    assert inputs(runs["demo-sft"]) == inputs(runs["demo-grpo"]) == {("train", content["train"], "training")}
     assert {"config.resolved.yaml", "data/train.manifest.json", "evaluation/comparison.json",
             "summary.md", "export/manifest.json"} <= set(_artifacts(client, parent.info.run_id))
     # the GRPO child: TRL's step metrics, one point per logged step, completion tables, the curve plot

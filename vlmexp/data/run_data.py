@@ -135,3 +135,11 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
         atomic_write(mpath, json.dumps(manifest, indent=2) + "\n")
         results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows, content))
     return results[0], results[1]
+
+
+def sampled_manifests(cfg: Config) -> dict[str, Path]:
+    """The manifests of the run's sampled files by what they are for: "training" and, when there is held-out
+    data, "evaluation" (MLflow's dataset contexts)."""
+    folder = Path(cfg.run.output_dir) / "data"
+    found = {"training": folder / "train.manifest.json", "evaluation": folder / "val.manifest.json"}
+    return {context: path for context, path in found.items() if path.is_file()}

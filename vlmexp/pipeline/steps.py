@@ -29,6 +29,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     step metrics into that child run. The result is also written to <stage folder>/stage_result.json,
     which is how a flow on another machine reads it (the output folder is shared).
     """
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.launch import stage_command
     from vlmexp.pipeline.report import curve_keys, plot_curves
     from vlmexp.pipeline.tracker import make_tracker
@@ -43,6 +44,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     if not run_id:
         run_id = tracker.start_stage(parent_run_id, stage, {"stage_key": key})
         run_file.write_text(run_id + "\n")
+        tracker.log_datasets(run_id, {k: v for k, v in sampled_manifests(cfg).items() if k == "training"})
     command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}",
                             mlflow_run_id=run_id or None)
     on_line("running " + " ".join(command))

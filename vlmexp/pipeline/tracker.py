@@ -9,6 +9,7 @@ MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -30,6 +31,7 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
 # browser (default GenAI) decides, and this query in the address selects model training (read in its JS
 # bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
 UI_MODEL_TRAINING = "workflowType=machine_learning"
+DIGEST_CHARS = 16  # of a dataset input's digest: MLflow's store keeps up to 36 characters
 
 
 def sanitize_metric_name(name: str) -> str:
@@ -65,6 +67,7 @@ class NullTracker:
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_table(self, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None: ...
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None: ...
+    def log_datasets(self, run_id: str, manifests: Mapping[str, str | Path]) -> None: ...
     def end(self, run_id: str, status: str = "FINISHED") -> None: ...
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -147,6 +150,23 @@ class MlflowTracker(NullTracker):
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
+
+    def log_datasets(self, run_id: str, manifests: Mapping[str, str | Path]) -> None:
+        """The sampled data as the run's dataset inputs, MLflow's Dataset column: {context: manifest} with context
+        "training" or "evaluation"; the digest is the manifest's content digest (the same data shows the same
+        digest in every run, wherever it was sampled), the profile its rows and sources."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = []
+        for context, path in manifests.items():
+            manifest = json.loads(Path(path).read_text())
+            data = Path(path).with_name(Path(path).name.removesuffix(".manifest.json") + ".jsonl")
+            profile = {"rows": manifest["rows"], "content_sha256": manifest["content_sha256"],
+                       "sources": [src["json_path"] for src in manifest["sources"]]}
+            dataset = Dataset(name=data.stem, digest=manifest["content_sha256"][:DIGEST_CHARS], source_type="local",
+                              source=json.dumps({"uri": str(data.resolve())}), profile=json.dumps(profile))
+            inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
+        self.client.log_inputs(run_id, datasets=inputs)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
