@@ -3,6 +3,7 @@ in sessions of their own (as torchrun starts them); an interrupted stage is not 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,6 +66,45 @@ def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, 
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker), "the worker in its own session outlived the stop"
+
+
+def test_a_second_ctrl_c_kills_at_once_what_the_first_asked_to_stop(tmp_path):
+    """A launcher and a worker that ignore SIGTERM get the grace period; a second Ctrl-C ends it with SIGKILL."""
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    launcher = stubborn + LAUNCHER.replace('"import time;', f'"{stubborn}import time;')
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from vlmexp.pipeline.processes import stop_process_tree
+
+        launcher = subprocess.Popen([sys.executable, "-c", {launcher!r}], stdout=subprocess.PIPE, text=True)
+        print(launcher.pid, launcher.stdout.readline().split()[1], flush=True)
+        time.sleep(0.5)  # the launcher has set its SIGTERM handler
+        print("stopping", flush=True)
+        try:
+            stop_process_tree(launcher, grace=120)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    pids = [int(pid) for pid in proc.stdout.readline().split()]
+    try:
+        assert proc.stdout.readline() == "stopping\n"
+        time.sleep(1)
+        assert all(_alive(pid) for pid in pids), "they ignore SIGTERM: the grace period runs"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)], "a second Ctrl-C left the launcher or its worker running"
+    except BaseException:  # leave nothing of the test running
+        for pid in [proc.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
 
 
 def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():

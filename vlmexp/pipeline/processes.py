@@ -4,6 +4,7 @@ read as a failure or a stop, and a stop reaching every process it started."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import re
@@ -27,33 +28,37 @@ INTERRUPT_CODES = (130, 143, -2, -15)  # exit codes of a process ended by SIGINT
 def stop_process_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """Stop `proc` gently (SIGTERM), then every process it started, wherever they went: the descendants are
     listed before the launcher is signalled, so workers that torchrun starts in their own sessions, and that
-    outlive it, are found too. SIGKILL for what is still alive after `grace` seconds."""
+    outlive it, are found too. SIGKILL for what is still alive after `grace` seconds, or at once when a second
+    Ctrl-C or SIGTERM cuts the grace short."""
     import psutil
 
     try:
         tree = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         tree = []
-    if proc.poll() is None:
-        proc.terminate()
     try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    alive = [p for p in tree if p.is_running()]
-    for p in alive:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
+        if proc.poll() is None:
+            proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        _signal_all(tree, "terminate")
+        psutil.wait_procs(tree, timeout=grace)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _signal_all(tree, "kill")
+        psutil.wait_procs(tree, timeout=grace)
+
+
+def _signal_all(procs: list, how: str) -> None:
+    """`terminate` or `kill` each psutil process still running (psutil refuses a pid reused since)."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running():
+                getattr(p, how)()
 
 
 def stage_env() -> dict[str, str]:
