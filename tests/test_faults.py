@@ -73,6 +73,8 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
     command then finishes: SFT comes from the cache, GRPO resumes from its checkpoint."""
     import time
 
+    import psutil
+
     out = tmp_path / "run"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO / "tests"),
            "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "storage")}
@@ -89,8 +91,16 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
         assert first.poll() is None and time.monotonic() < deadline, \
             f"GRPO never wrote checkpoint-2 (exit {first.poll()}):\n{first_log.read_text()[-3000:]}"
         time.sleep(0.5)
+    # Prefect's temporary server runs in a session of its own (a terminal's Ctrl-C must not end it before the run
+    # is recorded as stopped): the group's SIGKILL misses it, and it still goes with the run
+    server = [p for p in psutil.Process(first.pid).children() if "uvicorn" in " ".join(p.cmdline())]
+    assert len(server) == 1
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
+    _, alive = psutil.wait_procs(server, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, "the temporary server outlived the killed run"
     assert not (out / "grpo" / "final").exists()
 
     second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -134,22 +134,39 @@ SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=60", "
              "launch.launcher=torchrun", "launch.nproc_per_node=2"]
 
 
+def _flow_run_states(prefect_home: Path) -> list[tuple[str, str, str]]:
+    """(flow name, state type, state message) of every flow run in the Prefect database under `prefect_home`:
+    `vlmexp run`'s temporary server is gone once it exits, its sqlite database is not."""
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return db.execute("SELECT flow.name, flow_run.state_type, flow_run_state.message FROM flow_run "
+                          "JOIN flow ON flow.id = flow_run.flow_id "
+                          "JOIN flow_run_state ON flow_run_state.id = flow_run.state_id").fetchall()
+
+
+# a terminal's Ctrl-C reaches its whole foreground process group (vlmexp, Prefect's temporary server, torchrun);
+# `kill PID` reaches the one process
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code, by", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_a_signal_stops_a_pipeline_run_under_torchrun_and_a_rerun_resumes(tmp_path, sig, code, by):
+@pytest.mark.parametrize("sig, code, by, to_group", [(signal.SIGINT, 130, "Ctrl-C", True),
+                                                     (signal.SIGTERM, 143, "SIGTERM", False)],
+                         ids=["ctrl-c-to-the-group", "sigterm-to-the-process"])
+def test_a_signal_stops_a_pipeline_run_under_torchrun_and_a_rerun_resumes(tmp_path, sig, code, by, to_group):
     """`vlmexp run` with SFT under torchrun (2 processes), stopped once its first checkpoint is saved: it exits
     with the signal's status within seconds, no process it started is left, its MLflow runs are KILLED, its
-    flow run ends Cancelled (the temporary server is gone afterwards, so its last log line says so), and the
-    same command again resumes SFT from that checkpoint and finishes."""
+    flow run ends Cancelled (read back from the run's Prefect database: the temporary server is gone), and
+    the same command again resumes SFT from that checkpoint and finishes."""
     import psutil
     from mlflow.tracking import MlflowClient
 
-    out = tmp_path / "out"
+    out, prefect_home = tmp_path / "out", tmp_path / "prefect"
     cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={out}", *SMALL_RUN]
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home)}
+    env.pop("PREFECT_API_URL", None)
 
     def start(log):
         return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+                                env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
 
     first = start(tmp_path / "first.log")
     deadline = time.monotonic() + 300
@@ -158,24 +175,69 @@ def test_a_signal_stops_a_pipeline_run_under_torchrun_and_a_rerun_resumes(tmp_pa
         time.sleep(0.2)
     tree = psutil.Process(first.pid).children(recursive=True)
     assert any("torchrun" in " ".join(p.cmdline()) for p in tree)
+    assert any("uvicorn" in " ".join(p.cmdline()) for p in tree)  # Prefect's temporary server
     start_stop = time.monotonic()
-    first.send_signal(sig)
-    assert first.wait(timeout=90) == code
-    assert time.monotonic() - start_stop < 60
+    os.killpg(first.pid, sig) if to_group else first.send_signal(sig)
+    try:
+        rc = first.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for p in [psutil.Process(first.pid), *tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        pytest.fail("still running 60 s after the signal:\n" + (tmp_path / "first.log").read_text()[-3000:])
     log = (tmp_path / "first.log").read_text()
-    assert f"Cancelled('stopped by {by}" in log and f"stopped by {by}; run the same command again" in log
+    assert rc == code, log[-3000:]
+    assert time.monotonic() - start_stop < 30, log[-3000:]
+    assert f"stopped by {by}; run the same command again" in log
     time.sleep(1)
     assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "left running"
     assert not (out / "sft" / "final").exists()
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     runs = {r.info.run_name: r.info.status for r in client.search_runs([e.experiment_id for e in client.search_experiments()])}
     assert runs == {"demo-pipeline": "KILLED", "demo-sft": "KILLED"}, runs
+    stopped = f"stopped by {by}; run the same command again to resume"
+    assert _flow_run_states(prefect_home) == [("vlm-pipeline", "CANCELLED", stopped)]
 
     second = start(tmp_path / "second.log")
     assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     again = (tmp_path / "second.log").read_text()
     assert f"(resume: {out / 'sft' / 'checkpoint-'}" in again, again[-3000:]
     assert (out / "sft" / "final").is_dir() and (out / "grpo" / "final").is_dir()
+    assert sorted(state for _, state, _ in _flow_run_states(prefect_home)) == ["CANCELLED", "COMPLETED"]
+
+
+@pytest.mark.slow
+def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
+    """`vlmexp run` starts Prefect's temporary server out of its process group (a terminal's Ctrl-C must not end
+    it); SIGKILL of the run, which no handler sees, still ends the server."""
+    import psutil
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent("""
+        import os, signal, sys
+        from prefect.settings import PREFECT_API_URL
+        from flows.temporary_server import temporary_server
+
+        with temporary_server():
+            print(PREFECT_API_URL.value(), flush=True)
+            sys.stdin.readline()
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=env)
+    url = proc.stdout.readline().strip()
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/api"), url
+    servers = [p for p in psutil.Process(proc.pid).children() if "uvicorn" in " ".join(p.cmdline())]
+    assert len(servers) == 1 and os.getpgid(servers[0].pid) != os.getpgid(proc.pid)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    _, alive = psutil.wait_procs(servers, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, "the temporary server outlived the killed run"
 
 
 @pytest.mark.slow

@@ -90,13 +90,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # fresh sqlite database, logs "database is locked" tracebacks into the demo's output.
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import vlm_pipeline
+    from flows.temporary_server import temporary_server
 
-    state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force, return_state=True)
-    # Send the flow's last log lines while the temporary server is up: at exit Prefect stops the server
-    # first and then waits 5 s for a log worker that can no longer reach it.
-    from prefect.logging.handlers import APILogHandler
-
-    APILogHandler().flush()
+    # without a PREFECT_API_URL, a temporary server that a terminal's Ctrl-C does not reach: the flow can still
+    # record the stop, and its last logs and events are sent before the server stops
+    with temporary_server():
+        state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force, return_state=True)
     if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
         raise KeyboardInterrupt(f"signal {int(signal.SIGTERM)}" if "SIGTERM" in (state.message or "") else "")
     print(state.result().summary)

@@ -1,0 +1,116 @@
+"""Prefect's temporary server for `vlmexp run` without a PREFECT_API_URL, started in a session of its own.
+
+Prefect starts its temporary server in the caller's process group, so a terminal's Ctrl-C, which reaches the
+whole foreground group, ends the server at once: the pipeline can then no longer record its flow run as
+Cancelled, and Prefect's events and log clients retry the dead server at exit for many seconds while the
+command ignores further signals. Started here, in a session of its own, the server outlives the Ctrl-C long
+enough for the pipeline to record the stop, send its last events and logs, and then stop the server itself.
+The command line is Prefect's own (`prefect.server.api.server.SubprocessASGIServer`). Out of the process
+group, a kill of the group would no longer reach the server: on Linux it asks the kernel for SIGTERM when
+`vlmexp run` goes, however it goes (SIGKILL, the OOM killer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# uvicorn, after asking for SIGTERM when its parent (`vlmexp run`, pid argv[1]) ends (Linux's PR_SET_PDEATHSIG)
+_UVICORN_TIED_TO_PARENT = """
+import ctypes, os, runpy, signal, sys
+prctl = getattr(ctypes.CDLL(None), "prctl", None)
+if prctl is not None:
+    prctl(1, int(signal.SIGTERM))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the process that started Prefect's temporary server is gone")
+sys.argv = ["uvicorn", *sys.argv[2:]]
+runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
+"""
+
+
+def _start(port: int) -> subprocess.Popen:
+    import prefect
+    from prefect.settings import get_current_settings
+
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+           **get_current_settings().to_environment_variables(exclude_unset=True)}
+    return subprocess.Popen(
+        [sys.executable, "-c", _UVICORN_TIED_TO_PARENT, str(os.getpid()), "--app-dir",
+         str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app", "--host",
+         "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"],
+        env=env, start_new_session=True)
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"Prefect's temporary server exited with code {server.returncode} on start")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            time.sleep(0.1)
+    raise RuntimeError(f"Prefect's temporary server at {url} did not answer within {timeout:.0f} s")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def drain_prefect_clients(timeout: float = 10.0) -> None:
+    """Send the flow's last logs and events (Prefect's log and events workers) while the server is up."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler, APILogWorker
+
+    APILogHandler().flush()
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout, at_exit=False)
+
+
+@contextlib.contextmanager
+def temporary_server() -> Iterator[None]:
+    """Prefect's API for the duration: the configured one (PREFECT_API_URL), or else a temporary server in a
+    session of its own, stopped (after the last logs and events are sent) when the block ends."""
+    from prefect.logging import get_logger
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as STARTUP_TIMEOUT
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+
+    log = get_logger()  # Prefect's own lines, as its temporary server logs them (bench/pipeline_overhead.py)
+    port = _free_port()
+    address = f"http://127.0.0.1:{port}"
+    log.info("Starting temporary server on %s", address)
+    server = _start(port)
+    try:
+        _wait_healthy(server, f"{address}/api", STARTUP_TIMEOUT.value())
+        with temporary_settings({PREFECT_API_URL: f"{address}/api"}):
+            try:
+                yield
+            finally:
+                drain_prefect_clients()
+    finally:
+        log.info("Stopping temporary server on %s", address)
+        _stop(server)
