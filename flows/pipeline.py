@@ -40,7 +40,8 @@ def _cached(task, force: bool, retries: int, delay: float, **params: Any):
     return result
 
 
-@flow(name="vlm-pipeline", log_prints=True, on_cancellation=[on_stopped], on_crashed=[on_stopped])
+@flow(name="vlm-pipeline", log_prints=True, on_cancellation=[on_stopped], on_crashed=[on_stopped],
+      on_failure=[on_stopped])
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
     """The pipeline. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped (never retried), its stage
     runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""

@@ -1,7 +1,8 @@
 """Stopping a pipeline run: its stage flow runs on other work pools are cancelled with it, and its MLflow runs
 are marked KILLED. Prefect cancels a parent flow run without its subflows on other workers (PrefectHQ/prefect
-#17593, #22594), so the pipeline cancels them itself: from its `on_cancellation` / `on_crashed` hooks (a
-cancel from the UI or the API) and when a Ctrl-C or SIGTERM reaches `vlmexp run`."""
+#17593, #22594), so the pipeline cancels them itself: from its `on_cancellation` / `on_crashed` /
+`on_failure` hooks (a cancel from the UI or the API, a crash, a failure) and when a Ctrl-C or SIGTERM
+reaches `vlmexp run`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def cancel_child_runs(flow_run_id: str) -> list[str]:
 
 
 def on_stopped(flow, flow_run, state) -> None:
-    """The pipeline flow's on_cancellation / on_crashed hook."""
+    """The pipeline flow's on_cancellation / on_crashed / on_failure hook: a pipeline run that ends without
+    finishing leaves no stage run of its own running."""
     cancel_child_runs(str(flow_run.id))
 
 

@@ -247,7 +247,12 @@ def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
     from prefect import flow, get_client, task
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.stopping import cancel_child_runs
+    from flows.pipeline import vlm_pipeline
+    from flows.stopping import cancel_child_runs, on_stopped
+
+    # a pipeline run that is cancelled, crashes or fails leaves no stage run of its own running
+    assert all(on_stopped in hooks for hooks in (vlm_pipeline.on_cancellation_hooks, vlm_pipeline.on_crashed_hooks,
+                                                 vlm_pipeline.on_failure_hooks))
 
     @flow(name="pipeline-like")
     def parent():
