@@ -123,10 +123,11 @@ def test_evaluation_scores_with_the_configured_rewards():
     """Evaluation builds its scorers with build_reward from grpo.rewards: a boxed-style format reward in the
     config is the format evaluation measures (the metric names stay)."""
     from vlmexp.config import RewardSpec
+    from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 
-    records = [{"record_format": "easyr1", "task": "math", "problem": "1+1?", "answer": "2", "images": [],
-                "image_paths": [], "image_sizes": []}] * 2
+    records = [SampledRecord(task="math", method="math", problem="1+1?", solution="2", images=[], image_sizes=[],
+                             image_refs=[], source="s.jsonl", source_id="", source_row=0, record_format="easyr1")] * 2
     texts = ["<think>add</think> so \\boxed{2}", "<think>add</think><answer>3</answer>"]
     default, default_rows = score_records(records, texts, "pixels", None)
     boxed, rows = score_records(records, texts, "pixels", None,

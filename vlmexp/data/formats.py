@@ -48,14 +48,18 @@ EXPECTED = ("rec: image, problem, solution; conversations: image, conversations;
 
 @dataclass(frozen=True)
 class Example:
-    """What every format reduces to: images (as written in the record), the question, the answer."""
+    """What every format reduces to before its images are checked (vlmexp.data.normalise makes the
+    SampledRecord from it): images as written in the record, the question, the answer and how it is scored."""
 
     images: list[Any]  # as written in the record: paths, {bytes, path} structs, bytes or PIL images
     problem: str
     solution: Any  # a box (list of 4 floats) for rec, else a string
     task: str
+    method: str | None  # how the answer is scored within the task (ACCU_TASK)
+    target: str | None = None  # the answer text SFT imitates as written (ANSWER_TEXT formats)
     rejected: str | None = None  # the dispreferred answer of a "pairs" record (solution is the chosen one)
-    method: str | None = None  # how the answer is scored within the task (ACCU_TASK); None only for pairs
+    demonstration: list[float] | None = None  # rec: the box SFT imitates (an annotator's)
+    id: str | None = None  # the record's own id field
 
 
 def detect_format(record: dict[str, Any]) -> str | None:
@@ -77,7 +81,7 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
             raise ValueError(f"missing field {key!r} (format {fmt!r} needs {EXPECTED.split(';')[FORMATS.index(fmt)]})")
         return record[key]
 
-    rejected = None
+    rejected, demonstration = None, None
     if fmt == "pairs":
         images = _as_list(record["image"] if "image" in record else need("images"), "images")
         problem = record["question"] if "question" in record else need("problem")
@@ -123,10 +127,15 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
 
             raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, x2, y2] "
                              "in original pixels or drop the field")
+        if record.get("demonstration") is not None:
+            demonstration = parse_box(record["demonstration"])
     else:
         solution = str(solution)
         _check_solution(solution, method, len(images))
-    return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected, method=method)
+    target = solution if fmt in ANSWER_TEXT else None
+    record_id = None if record.get("id") is None else str(record["id"])
+    return Example(images=images, problem=problem, solution=solution, task=task, method=method, target=target,
+                   rejected=rejected, demonstration=demonstration, id=record_id)
 
 
 def _method(record: dict[str, Any]) -> str | None:
