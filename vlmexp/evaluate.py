@@ -98,7 +98,7 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
     reads (or a line of a sampled file), with `completion`, normalised as the sampler normalises
     (vlmexp.data.normalise): its images are read and checked (relative paths join `image_root`, default the
     file's folder). All problems at once."""
-    from vlmexp.data.formats import FORMATS, detect_format
+    from vlmexp.data.formats import detect_format, no_format
     from vlmexp.data.images import ImageStore
     from vlmexp.data.normalise import Origin, normalise
     from vlmexp.data.record import from_dict
@@ -121,12 +121,11 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
                 continue
             completions.append(completion)
             continue
-        fmt = detect_format(record)
-        if fmt not in FORMATS:
-            problems.append(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
-                                               f"{', '.join(FORMATS)}: see docs/data-formats.md"))
+        found = detect_format(record)
+        if found is None:
+            problems.append(Problem(where, "", no_format({k: v for k, v in record.items() if k != "completion"})))
             continue
-        done = normalise(record, fmt, None, where, root, store, Origin(str(path), "", row))
+        done = normalise(record, found[0], None, where, root, store, Origin(str(path), "", row))
         if isinstance(done, Problem):
             problems.append(done)
             continue

@@ -16,6 +16,7 @@ from typing import Any
 from vlmexp.data.formats import Example, detect_format, parse_record
 from vlmexp.data.images import ImageStore
 from vlmexp.data.record import SampledRecord
+from vlmexp.data.turns import Tags
 from vlmexp.errors import Problem
 
 
@@ -41,10 +42,10 @@ def check_box(box: list[float], size: tuple[int, int] | list[int]) -> str | None
     return None
 
 
-def read_example(record: dict[str, Any], fmt: str, task: str | None) -> Example:
+def read_example(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None) -> Example:
     """The record's Example in the source's format, or ValueError naming the field and the fix."""
-    ex = parse_record(record, fmt, task)  # names a missing field and what the format needs
-    if detect_format(record) != fmt:
+    ex = parse_record(record, fmt, task, tags)  # names a missing field and what the format needs
+    if (detect_format(record) or ("",))[0] != fmt:
         raise ValueError(f"record is not in the source's format {fmt!r} (detected from its first record); "
                          f"give every record of a source the same format")
     if ex.task == "rec" and len(ex.images) != 1:  # a detection record's count is checked with its solution
@@ -53,10 +54,11 @@ def read_example(record: dict[str, Any], fmt: str, task: str | None) -> Example:
 
 
 def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, image_root: str | None,
-              store: ImageStore, origin: Origin) -> tuple[SampledRecord, int] | Problem:
-    """(the SampledRecord, how many of its images were embedded) or the record's first problem."""
+              store: ImageStore, origin: Origin, tags: Tags | None = None) -> tuple[SampledRecord, int] | Problem:
+    """(the SampledRecord, how many of its images were embedded) or the record's first problem; `tags`: how a
+    LLaMA-Factory source names message keys and roles."""
     try:
-        ex = read_example(record, fmt, task)
+        ex = read_example(record, fmt, task, tags)
     except ValueError as e:
         return Problem(where, "", str(e))
     resolved = [store.resolve(ref, image_root) for ref in ex.images]
@@ -74,8 +76,9 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
             for p, e, r in zip(paths, embedded, ex.images)]
     return SampledRecord(task=ex.task, method=ex.method, problem=ex.problem, solution=ex.solution, images=paths,
                          image_sizes=sizes, image_refs=refs, source=origin.source, source_id=origin.source_id,
-                         source_row=origin.row, record_format=fmt, id=ex.id, target=ex.target,
-                         demonstration=ex.demonstration, rejected=ex.rejected), sum(embedded)
+                         source_row=origin.row, record_format=fmt, id=ex.id, system=ex.system,
+                         history=ex.history, target=ex.target, demonstration=ex.demonstration,
+                         rejected=ex.rejected), sum(embedded)
 
 
 def _box_problem(ex: Example, sizes: list[list[int]]) -> str | None:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import DataSource
-from vlmexp.data.formats import FORMATS, detect_format
+from vlmexp.data import llamafactory
+from vlmexp.data.formats import detect_format, no_format
 from vlmexp.data.images import ImageStore
 from vlmexp.data.normalise import Origin, normalise
 from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256
@@ -47,6 +48,8 @@ class SourceReport:
     revision: str | None = None  # Hub commit
     columns: dict[str, str] | None = None
     embedded_images: int = 0
+    detected_by: list[str] = field(default_factory=list)  # the fields that decided record_format
+    dataset: str | None = None  # the dataset of a LLaMA-Factory folder (its dataset_info.json entry)
 
 
 @dataclass
@@ -88,6 +91,7 @@ def _missing_columns(src: DataSource, have: list[str] | None) -> Problem | None:
 def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[SampledRecord], SourceReport,
                                                                          list[Problem]]:
     """The kept records of one source, normalised (vlmexp.data.normalise), and its problems."""
+    named, (src, tags) = src, llamafactory.resolve(src)
     table = open_table(src)
     kind = locate(src.json_path).kind
     if len(table) == 0:
@@ -100,7 +104,7 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[S
     except ValueError as e:
         raise DataError(Problem(src.json_path, "sampling_strategy", str(e), src.sampling_strategy)) from None
     image_root = _default_image_root(src, kind)
-    out, tasks, problems, fmt, embedded = [], set(), [], None, 0
+    out, tasks, problems, found, embedded = [], set(), [], None, 0
     for i, (where, raw) in zip(keep, table.take(keep)):
         if isinstance(raw, str):
             problems.append(Problem(where, "", raw))
@@ -109,22 +113,23 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[S
             problems.append(Problem(where, "columns", missing.message))
             continue
         record = _rename(raw, src.columns)
-        fmt = fmt or detect_format(record)
-        if fmt is None:
-            raise DataError(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
-                                               f"{', '.join(FORMATS)}: see docs/data-formats.md, or map the "
-                                               f"source's columns with `columns:`"))
-        kept = normalise(record, fmt, src.task, where, image_root, store, Origin(table.name, identity, i))
+        found = found or detect_format(record)
+        if found is None:
+            raise DataError(Problem(where, "", no_format(record)))
+        kept = normalise(record, found[0], src.task, where, image_root, store, Origin(table.name, identity, i), tags)
         if isinstance(kept, Problem):
             problems.append(kept)
             continue
         tasks.add(kept[0].task)
         embedded += kept[1]
         out.append(kept[0])
-    report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy, fmt or "",
+    report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy, found[0] if found else "",
                           ",".join(sorted(tasks)) or (src.task or ""), image_root, len(table), len(out), kind,
-                          table.identity.get("fingerprint"), table.identity.get("revision"), src.columns, embedded)
+                          table.identity.get("fingerprint"), table.identity.get("revision"), src.columns, embedded,
+                          found[1] if found else [], named.dataset)
     return out, report, problems
+
+
 def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int) -> SampleResult:
     """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically."""
     out = Path(out_path)
@@ -159,11 +164,28 @@ def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageSt
     return SampleResult(out, manifest_path, reports, seed, digest, len(records), content, list(store.written))
 
 
-def format_report(result: SampleResult) -> str:
-    """The per-source count table `vlmexp sample` prints."""
+def format_report(result: SampleResult, explain: bool = False) -> str:
+    """The per-source count table `vlmexp sample` prints; `explain` adds why each source was read as its format
+    (the fields that decided it) and the columns it was renamed with."""
     rows = [("source", "format", "task", "strategy", "read", "kept")]
     rows += [(s.json_path if s.kind == "hub" else Path(s.json_path).name, s.record_format, s.task,
               s.sampling_strategy, str(s.rows_read), str(s.rows_kept)) for s in result.sources]
     rows.append(("total", "", "", "", str(sum(s.rows_read for s in result.sources)), str(result.rows)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    if not explain:
+        return table
+    from vlmexp.data.formats import formats_tried
+
+    return "\n".join([table, "", f"formats, tried in this order on each source's first record: {formats_tried()}",
+                      *(explain_source(s) for s in result.sources)])
+
+
+def explain_source(s: SourceReport) -> str:
+    """Why a source was read as its format: the fields that decided it, the columns and dataset that named them."""
+    line = f"{s.json_path}: read as {s.record_format!r} because its first record has {', '.join(s.detected_by)}"
+    if s.dataset:
+        line += f"; LLaMA-Factory dataset {s.dataset!r}"
+    if s.columns:
+        line += f"; columns renamed {s.columns} (field: source column)"
+    return line

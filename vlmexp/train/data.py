@@ -1,7 +1,10 @@
 """Sampled records -> TRL datasets (prompts and targets from vlmexp.prompts, shared with evaluation).
 
 SFT rows: conversational `prompt` / `completion` plus `images` (PIL); TRL's collator inserts the image
-parts and computes the loss on the completion only. GRPO rows: conversational `prompt` plus `images`;
+parts and computes the loss on the completion only. When a record holds earlier turns (a multi-turn
+conversation), every row is conversational language modeling instead, `messages` (the prompt's turns and the
+answer) plus `images`, and SFT trains with TRL's `assistant_only_loss`: the loss falls on every assistant turn
+and on nothing else (`require_assistant_masks`). GRPO rows: conversational `prompt` plus `images`;
 the record's `reward_columns` (solution, task, accu_reward_method, image_sizes, source_row, image_path) reach
 the reward functions as keyword columns.
 """
@@ -23,15 +26,41 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
     `target_template` (sft.target_template, `vlmexp.prompts.target_text`)."""
     from datasets import Dataset
 
+    records = read_sampled(path)
+    multi_turn = stage == "sft" and any(r.history for r in records)
     rows = []
-    for record in read_sampled(path):
+    for record in records:
         row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record.images)}
         if stage == "sft":
-            row["completion"] = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
+            answer = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
+            if multi_turn:
+                row = {"messages": row.pop("prompt") + answer, **row}
+            else:
+                row["completion"] = answer
         else:
             row.update(reward_columns(record))
         rows.append(row)
     return Dataset.from_list(rows)
+
+
+def require_assistant_masks(args, processor) -> None:
+    """Train on every assistant turn of `messages` rows: set `args.assistant_only_loss`, which TRL 1.16 gives a
+    VLM through the chat template's `{% generation %}` markers, swapping in its own marked copy of a template it
+    knows (Qwen2.5-VL's, Qwen3-VL's: trl/chat_templates/README.md, `get_training_chat_template`). A template it
+    cannot mark is refused before any step (ConfigError with the fix)."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from vlmexp.errors import ConfigError, Problem
+
+    try:
+        get_training_chat_template(processor)
+    except ValueError as e:
+        raise ConfigError(Problem("model", "chat_template", f"multi-turn records train SFT on every assistant turn "
+                                  f"through TRL's assistant_only_loss, which needs a chat template with "
+                                  f"{{% generation %}} markers or one TRL can mark (the released Qwen2.5-VL and "
+                                  f"Qwen3-VL templates); this model's cannot be ({e}); add the markers to its "
+                                  f"chat template, or sample single-turn records")) from None
+    args.assistant_only_loss = True
 
 
 def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, budget, processor,
