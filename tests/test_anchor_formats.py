@@ -147,11 +147,12 @@ def test_llamafactory_folder_errors_name_the_entry_and_the_fix(anchors, tmp_path
 @pytest.mark.slow
 def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_path, tiny_models):
     """SFT on multi-turn and single-turn conversations (loss on every assistant turn and nothing else), DPO on
-    the three preference layouts, GRPO on prompt-only, prompt-completion and multi-turn records: one step each, weights
-    changed."""
+    the three preference layouts, GRPO on prompt-only, prompt-completion and multi-turn records: one step each,
+    weights changed; then evaluation on the GRPO records."""
     from safetensors.torch import load_file
 
     from vlmexp.config_loader import load_config
+    from vlmexp.evaluate import evaluate
     from vlmexp.train.dpo import run_dpo
     from vlmexp.train.grpo import run_grpo
     from vlmexp.train.sft import run_sft
@@ -177,9 +178,13 @@ def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_pa
     _assert_loss_on_assistant_turns_only(cfg, final)
     train("dpo", run_dpo, ["trl_preference", "llamafactory_preference", "ms_swift"], "dpo.enabled=true",
           "dpo.pairs.from=data", "dpo.args.max_length=256")
-    train("grpo", run_grpo, ["trl_prompt_only", "trl_prompt_completion", "llamafactory"], "grpo.args.num_generations=4",
-          "grpo.args.max_completion_length=8", "grpo.args.gradient_accumulation_steps=1",
-          "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]")
+    cfg, final = train("grpo", run_grpo, ["trl_prompt_only", "trl_prompt_completion", "llamafactory"],
+                       "grpo.args.num_generations=4", "grpo.args.max_completion_length=8",
+                       "grpo.args.gradient_accumulation_steps=1", "eval.max_new_tokens=8",
+                       "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]")
+    # evaluation generates on the same records (multi-turn prompts among them) and scores each task
+    result = evaluate(cfg, str(final), Path(cfg.run.output_dir) / "data" / "train.jsonl", tmp_path / "eval")
+    assert result.metrics["count"] == 12 and {"math_accuracy", "exact_accuracy"} <= set(result.metrics)
 
 
 def _assert_loss_on_assistant_turns_only(cfg, final: Path) -> None:

@@ -336,3 +336,39 @@ def test_detection_boxes_are_checked_inside_the_image(tmp_path, imgs):
     assert "bad.jsonl:2: solution: box [10.0, 10.0, 70.0, 20.0] lies outside the 64x48 image" in msg
     assert "(object 'cat')" in msg and "bad.jsonl:3" in msg and "inverted or empty" in msg
     assert "bad.jsonl:1" not in msg
+
+
+def test_a_stage_process_samples_again_when_the_sampled_layout_changed(tmp_path, monkeypatch):
+    """A stage process reuses the run's sampled files only when they were sampled for the same request, and the
+    sampled-record schema is part of the request: files of an older layout are sampled again, not read."""
+    from vlmexp.config_loader import load_config
+    from vlmexp.data import run_data
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=4",
+                                                   "data.demo.val=2"])
+    first = run_data.prepare_data(cfg)
+    stamp = first.train.stat().st_mtime_ns
+    assert run_data.prepare_data(cfg, reuse=True).train.stat().st_mtime_ns == stamp  # same request: reused
+    monkeypatch.setattr(run_data, "SCHEMA_VERSION", run_data.SCHEMA_VERSION + 1)
+    again = run_data.prepare_data(cfg, reuse=True)
+    assert again.train.stat().st_mtime_ns != stamp and again.content_sha256 == first.content_sha256
+
+
+def test_prompts_carry_the_history_and_images_open_the_first_user_turn():
+    from vlmexp.config import DataConfig
+    from vlmexp.data.record import SampledRecord
+    from vlmexp.evaluate import with_image_parts
+    from vlmexp.families import get_family
+    from vlmexp.prompts import build_prompt
+
+    record = SampledRecord(task="exact", method="default", problem="And now?", solution="b", images=["x.png"],
+                           image_sizes=[[8, 8]], image_refs=["x.png"], source="s", source_id="", source_row=0,
+                           record_format="messages", system="Be brief.",
+                           history=[{"role": "user", "content": "First?"}, {"role": "assistant", "content": "a"}])
+    data = DataConfig(datasets=[DataSource(json_path="s")], system_prompt="ignored: the record has its own",
+                      prompt_templates={"exact": "Q: {problem}"})
+    prompt = build_prompt(record, data, get_family("qwen2_5_vl"))
+    assert prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First?"},
+                      {"role": "assistant", "content": "a"}, {"role": "user", "content": "Q: And now?"}]
+    shown = with_image_parts(prompt, 1)
+    assert shown[1]["content"] == [{"type": "image"}, {"type": "text", "text": "First?"}] and shown[3] == prompt[3]
