@@ -28,8 +28,8 @@ def target_text(record: SampledRecord, family: Family, budget, template: str | N
 
     A rec record's target is built from its box, in the family's frame: its `demonstration` box where present
     (an annotator's box; the reward and evaluation still score against its `solution`). Other records train
-    on `template` (sft.target_template) when given, else on the answer text their format carries
-    (formats.ANSWER_TEXT: a pairs record's chosen answer, a conversation's gpt turn), as written.
+    on `template` (sft.target_template) when given, else on the answer text they carry (`record.target`: a
+    chosen answer, a conversation's last assistant turn, a completion), as written.
     """
     if record.task == "rec":
         width, height = record.image_sizes[0]
