@@ -95,9 +95,10 @@ def detection_metrics(reward: Any, texts: Sequence[str], columns: dict[str, list
 
 def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[SampledRecord], list[str]]:
     """(records, completions) of a predictions JSONL: each line a data record in any format the sampler
-    reads (or a line of a sampled file), with `completion`, normalised as the sampler normalises
-    (vlmexp.data.normalise): its images are read and checked (relative paths join `image_root`, default the
-    file's folder). All problems at once."""
+    reads (or a line of a sampled file), with the model's output as `completion`, normalised as the sampler
+    normalises (vlmexp.data.normalise): its images are read and checked (relative paths join `image_root`,
+    default the file's folder). `completion` is the output, never the record's: a prompt-completion record
+    gives its reference answer as `solution`. All problems at once."""
     from vlmexp.data.formats import detect_format, no_format
     from vlmexp.data.images import ImageStore
     from vlmexp.data.normalise import Origin, normalise
@@ -107,25 +108,22 @@ def read_predictions(path: str | Path, image_root: str | Path | None = None) -> 
 
     root = str(Path(image_root or Path(path).parent).resolve())
     store, problems, records, completions = ImageStore(None), [], [], []
-    for row, (where, record) in enumerate(read_records(path)):
-        completion = record.get("completion")
+    for row, (where, line) in enumerate(read_records(path)):
+        completion = line.get("completion")
         if not isinstance(completion, str):
             problems.append(Problem(where, "completion", "each line needs the model's output as a string "
                                     "`completion`", completion))
             continue
-        if "schema" in record:  # a sampled record (`vlmexp sample`'s line) with a completion added
-            try:
-                records.append(from_dict({k: v for k, v in record.items() if k != "completion"}, where))
-            except (ValueError, TypeError) as e:
-                problems.append(Problem(where, "", str(e)))
-                continue
-            completions.append(completion)
-            continue
-        found = detect_format(record)
-        if found is None:
-            problems.append(Problem(where, "", no_format({k: v for k, v in record.items() if k != "completion"})))
-            continue
-        done = normalise(record, found[0], None, where, root, store, Origin(str(path), "", row))
+        record = {k: v for k, v in line.items() if k != "completion"}  # the data record the output answers
+        try:
+            if "schema" in record:  # a line of a sampled file (`vlmexp sample`) with a completion added
+                done = from_dict(record, where), 0
+            elif (found := detect_format(record)) is None:
+                raise ValueError(no_format(record))
+            else:
+                done = normalise(record, found[0], None, where, root, store, Origin(str(path), "", row))
+        except (ValueError, TypeError) as e:
+            done = Problem(where, "", str(e))
         if isinstance(done, Problem):
             problems.append(done)
             continue
