@@ -59,6 +59,7 @@ def sample_data(pending: str) -> SampledData:
     """Sample the data sources afresh (seeded): train/val JSONL files and their content digest. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.run_data import prepare_data
+    from vlmexp.data.sampling import explain_manifest
     from vlmexp.modeling import resolve_model
     from vlmexp.pipeline.keys import commit_resolved, load_resolved
     from vlmexp.prompts import check_sft_targets
@@ -69,7 +70,11 @@ def sample_data(pending: str) -> SampledData:
     if cfg.sft.enabled:
         check_sft_targets(data.train, cfg.sft.target_template)  # before any stage starts
     resolved = commit_resolved(pending)
-    get_run_logger().info("data: %s (content %s)", data.train, data.content_sha256[:12])
+    log = get_run_logger()
+    log.info("data: %s (content %s)", data.train, data.content_sha256[:12])
+    for path in [p for p in (data.train, data.val) if p is not None]:
+        for line in explain_manifest(path.with_name(path.stem + ".manifest.json")):
+            log.info("%s data: %s", path.stem, line)  # which format each source was read as, and why
     return SampledData(resolved=str(resolved), train=str(data.train), val=str(data.val) if data.val else None,
                        hash=data.content_sha256, base_model=model_path)
 

@@ -69,6 +69,9 @@ def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
     assert any(line.startswith("formats, tried in this order") and "prompt_only (prompt, solution or answer)" in line
                for line in lines)
     assert len(read_sampled(tmp_path / "o.jsonl")) == 28
+    from vlmexp.data.sampling import explain_manifest  # what the pipeline's sample step logs
+
+    assert explain_manifest(tmp_path / "o.manifest.json") == [line for line in lines if ": read as " in line]
 
 
 def test_trl_layouts_normalise_to_turns_targets_and_pairs(anchors, tmp_path):

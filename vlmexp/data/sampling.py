@@ -181,6 +181,12 @@ def format_report(result: SampleResult, explain: bool = False) -> str:
                       *(explain_source(s) for s in result.sources)])
 
 
+def explain_manifest(manifest_path: str | Path) -> list[str]:
+    """`explain_source` for each source a sampled file's manifest records (the pipeline logs them)."""
+    manifest = json.loads(Path(manifest_path).read_text())
+    return [explain_source(SourceReport(**source)) for source in manifest["sources"]]
+
+
 def explain_source(s: SourceReport) -> str:
     """Why a source was read as its format: the fields that decided it, the columns and dataset that named them."""
     line = f"{s.json_path}: read as {s.record_format!r} because its first record has {', '.join(s.detected_by)}"
