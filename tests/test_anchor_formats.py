@@ -213,3 +213,23 @@ def _assert_loss_on_assistant_turns_only(cfg, final: Path) -> None:
     assistant = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
     assert len(assistant) == 2
     assert processor.tokenizer.decode(labelled) == "".join(f"{a}<|im_end|>\n" for a in assistant)
+
+
+def test_multi_turn_sft_needs_a_chat_template_trl_can_mark(tiny_models):
+    """TRL gives a VLM assistant-only loss through {% generation %} markers: the released Qwen2.5-VL template
+    gets TRL's marked copy, another template is refused before any step, naming the fix."""
+    from types import SimpleNamespace
+
+    from vlmexp.errors import ConfigError
+    from vlmexp.families import get_family
+    from vlmexp.processor import load_processor
+    from vlmexp.train.data import require_assistant_masks
+
+    processor = load_processor(tiny_models["qwen2_5_vl"], get_family("qwen2_5_vl"))
+    args = SimpleNamespace(assistant_only_loss=False)
+    require_assistant_masks(args, processor)
+    assert args.assistant_only_loss is True
+    processor.chat_template = processor.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError) as e:
+        require_assistant_masks(SimpleNamespace(assistant_only_loss=False), processor)
+    assert "model: chat_template" in str(e.value) and "add the markers" in str(e.value)
