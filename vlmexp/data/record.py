@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,12 @@ class SampledRecord:
         """How errors name the record: its source and row."""
         return f"{self.source} row {self.source_row}"
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, values shared (not copied as dataclasses.asdict copies them): for writing."""
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        return json.dumps(self.as_dict(), ensure_ascii=False)
 
 
 FIELD_NAMES = tuple(f.name for f in fields(SampledRecord))
@@ -118,6 +122,6 @@ def content_sha256(records: Iterable[SampledRecord]) -> str:
     """What identifies sampled records wherever they live: every field but the machine-specific paths."""
     h = hashlib.sha256()
     for r in records:
-        h.update(json.dumps({k: v for k, v in asdict(r).items() if k not in LOCATION_FIELDS}, sort_keys=True,
+        h.update(json.dumps({k: v for k, v in r.as_dict().items() if k not in LOCATION_FIELDS}, sort_keys=True,
                             ensure_ascii=False).encode())
     return h.hexdigest()
