@@ -152,3 +152,27 @@ def ms_swift(folder: Path, n: int = 4) -> Path:
              "images": [f"{COLORS[i % 4]}.png"], "rejected_response": f"It is {COLORS[(i + 1) % 4]}."}
             for i in range(n)]
     return write_jsonl(root / "dpo.jsonl", rows)
+
+
+def as_jsonl_with_paths(parquet: Path, folder: Path) -> Path:
+    """The same rows as JSONL with image paths: every embedded image written to a file beside it, each
+    `{bytes, path}` struct replaced by that file's relative path."""
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    count = 0
+
+    def unembed(value):
+        nonlocal count
+        if isinstance(value, dict) and isinstance(value.get("bytes"), bytes):
+            count += 1
+            (folder / f"{count}.png").write_bytes(value["bytes"])
+            return f"{count}.png"
+        if isinstance(value, dict):
+            return {k: unembed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [unembed(v) for v in value]
+        return value
+
+    rows = [unembed(row) for row in pq.read_table(parquet).to_pylist()]
+    return write_jsonl(folder / "data.jsonl", rows)

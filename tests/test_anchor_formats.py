@@ -91,6 +91,21 @@ def test_trl_layouts_normalise_to_turns_targets_and_pairs(anchors, tmp_path):
                                                                            None, "2")
 
 
+@pytest.mark.parametrize("name", ["trl_messages", "trl_prompt_completion", "trl_preference", "trl_prompt_only"])
+def test_embedded_and_path_images_read_alike(anchors, tmp_path, name):
+    """A TRL layout as parquet with embedded images and as JSONL with image paths gives the same records."""
+    entry = anchors[name]
+    parquet = next(Path(entry["json_path"]).glob("*.parquet")) if Path(entry["json_path"]).is_dir() \
+        else Path(entry["json_path"])
+    jsonl = anchor_data.as_jsonl_with_paths(parquet, tmp_path / "paths")
+    embedded = _sample(tmp_path / "a", entry)
+    paths = _sample(tmp_path / "b", {**entry, "json_path": str(jsonl)})
+    assert all(r.image_refs[0].endswith(".png") and not r.image_refs[0].startswith("images/") for r in paths)
+    keep = ("problem", "history", "system", "target", "rejected", "solution", "task", "method", "image_sizes",
+            "record_format")
+    assert [[getattr(r, k) for k in keep] for r in embedded] == [[getattr(r, k) for k in keep] for r in paths]
+
+
 def test_llamafactory_and_ms_swift_layouts(anchors, tmp_path):
     [demo, *_] = _sample(tmp_path / "lf", anchors["llamafactory"])
     assert demo.problem == "What is it doing?" and demo.target == "Standing still." and len(demo.images) == 2
