@@ -248,3 +248,17 @@ def test_multi_turn_sft_needs_a_chat_template_trl_can_mark(tiny_models):
     with pytest.raises(ConfigError) as e:
         require_assistant_masks(SimpleNamespace(assistant_only_loss=False), processor)
     assert "model: chat_template" in str(e.value) and "add the markers" in str(e.value)
+
+
+def test_validate_checks_a_llamafactory_dataset_name(anchors, tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+
+    folder = anchors["llamafactory"]["json_path"]
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "tiny:qwen2_5_vl"},
+                                      "data": {"datasets": [{"json_path": folder, "dataset": "mllm_dmeo"}]}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(config, check_paths=True)
+    assert "data.datasets.0.dataset = 'mllm_dmeo'" in str(e.value) and "'mllm_demo'" in str(e.value)
+    load_config(config, ["data.datasets=[{json_path: '" + folder + "', dataset: mllm_demo}]"], check_paths=True)
