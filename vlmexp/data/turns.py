@@ -10,7 +10,8 @@ Read unchanged (after a source's `columns`):
 - LLaMA-Factory's sharegpt (data/README.md): `conversations` or `messages` of `{"from", "value"}` (human /
   gpt / system) or `{"role", "content"}`, `<image>` tags matched to `images`, a preference record's `chosen`
   / `rejected` as one message each; dataset_info.json `tags` rename the keys and roles.
-- VLM-R1's conversations (`from` / `value`, human / gpt); ms-swift's `messages` (`<image>` tags, `images`,
+- VLM-R1's conversations (`from` / `value`, human / gpt); ms-swift's standard format
+  (docs/source_en/Customization/Custom-dataset.md: `messages` with `<image>` tags, `images`,
   `rejected_response` for DPO).
 
 Images are placed where TRL places them when content is text: every image at the start of the first user
