@@ -7,9 +7,9 @@ embedded images through `datasets`, JSON / JSONL with image paths), for the form
 - TRL preference: trl-lib/rlaif-v (`prompt`, `chosen`, `rejected` as lists of messages of typed parts; `images`).
 - TRL prompt-only: the GRPO VLM example's layout (trl examples/scripts/grpo_vlm.py: `image`, a `prompt` of
   system + user messages, `solution`).
-- LLaMA-Factory: data/mllm_demo.json (OpenAI-style `messages`, `<image>` tags, `images` paths, multi-turn) and
-  a sharegpt preference file (`conversations` from/value, `chosen` / `rejected` messages), with their
-  dataset_info.json entries as data/dataset_info.json writes them.
+- LLaMA-Factory: data/mllm_demo.json (OpenAI-style `messages`, `<image>` tags, `images` paths, multi-turn), a
+  sharegpt preference file (`conversations` from/value, `chosen` / `rejected` messages) and an alpaca file
+  with images and history, with their dataset_info.json entries as data/dataset_info.json writes them.
 - ms-swift: `messages` with `<image>` tags, `images`, `rejected_response` (docs: Customization/Custom-dataset.md).
 """
 
@@ -137,7 +137,15 @@ def llamafactory_folder(folder: Path, n: int = 4) -> Path:
             "rlhf_v_demo": {"file_name": "rlhf_v_demo.json", "ranking": True, "formatting": "sharegpt",
                             "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
                                         "images": "images"}},
-            "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}
+            "alpaca_mm_demo": {"file_name": "alpaca_mm_demo.json",
+                               "columns": {"prompt": "instruction", "query": "input", "response": "output",
+                                           "history": "history", "images": "images"}},
+            "mllm_video_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                                "columns": {"messages": "messages", "videos": "videos"}}}
+    alpaca = [{"instruction": "<image>Name the colour.", "input": "One word.", "output": COLORS[i % 4],
+               "history": [["Hello.", "Hello! Show me an image."]], "images": [f"mllm_demo_data/{COLORS[i % 4]}.png"]}
+              for i in range(n)]
+    (root / "alpaca_mm_demo.json").write_text(json.dumps(alpaca, indent=2))
     (root / "dataset_info.json").write_text(json.dumps(info, indent=2))
     return root
 

@@ -33,6 +33,7 @@ def anchors(tmp_path_factory) -> dict[str, dict]:
         "trl_prompt_only": {"json_path": str(anchor_data.trl_prompt_only(root)), "task": "math"},
         "llamafactory": {"json_path": str(folder), "dataset": "mllm_demo"},
         "llamafactory_preference": {"json_path": str(folder), "dataset": "rlhf_v_demo"},
+        "llamafactory_alpaca": {"json_path": str(folder), "dataset": "alpaca_mm_demo"},
         "ms_swift": {"json_path": str(anchor_data.ms_swift(root))},
     }
 
@@ -62,13 +63,15 @@ def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
         str(folder / "rlhf_v_demo.json"): "'conversations' because its first record has conversations, chosen, "
                                           "rejected; LLaMA-Factory dataset 'rlhf_v_demo'",
         anchors["ms_swift"]["json_path"]: "'messages' because its first record has messages, rejected_response",
+        str(folder / "alpaca_mm_demo.json"): "'alpaca' because its first record has instruction, output; "
+                                             "LLaMA-Factory dataset 'alpaca_mm_demo'",
     }
     assert set(why) == set(expected), why
     for source, reason in expected.items():
         assert why[source].startswith(reason), (source, why[source])
     assert any(line.startswith("formats, tried in this order") and "prompt_only (prompt, solution or answer)" in line
                for line in lines)
-    assert len(read_sampled(tmp_path / "o.jsonl")) == 28
+    assert len(read_sampled(tmp_path / "o.jsonl")) == 32
     from vlmexp.data.sampling import explain_manifest  # what the pipeline's sample step logs
 
     assert explain_manifest(tmp_path / "o.manifest.json") == [line for line in lines if ": read as " in line]
@@ -113,6 +116,15 @@ def test_llamafactory_and_ms_swift_layouts(anchors, tmp_path):
     assert demo.images[0] == str(Path(anchors["llamafactory"]["json_path"]).resolve() / "mllm_demo_data" / "red.png")
     [pref, *_] = _sample(tmp_path / "lfp", anchors["llamafactory_preference"])
     assert (pref.problem, pref.target, pref.rejected) == ("Which colour is it?", "red", "green")
+    [alpaca, *_] = _sample(tmp_path / "alpaca", anchors["llamafactory_alpaca"])
+    assert (alpaca.problem, alpaca.target, alpaca.record_format) == ("Name the colour.\nOne word.", "red", "alpaca")
+    assert alpaca.history == [{"role": "user", "content": "Hello."},
+                              {"role": "assistant", "content": "Hello! Show me an image."}]
+    make_png(tmp_path / "a.png")  # LLaMA-Factory's alpaca preference form, named directly as a file
+    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "<image>Colour?", "input": "", "chosen": "red",
+                                                      "rejected": "blue", "images": ["a.png"]}])
+    [pair] = _sample(tmp_path / "ranked", {"json_path": str(ranked)})
+    assert (pair.record_format, pair.problem, pair.target, pair.rejected) == ("alpaca", "Colour?", "red", "blue")
     [swift, *_] = _sample(tmp_path / "swift", anchors["ms_swift"])
     assert (swift.system, swift.target, swift.rejected) == ("You are a helpful assistant.", "It is red.", "It is blue.")
 
@@ -154,8 +166,9 @@ def test_turn_structures_a_stage_cannot_use_are_refused_naming_the_record(tmp_pa
 def test_llamafactory_folder_errors_name_the_entry_and_the_fix(anchors, tmp_path):
     folder = anchors["llamafactory"]["json_path"]
     for entry, needle in (({"json_path": folder}, ("name one of its datasets with `dataset:`, one of "
-                                                   "['alpaca_en_demo', 'mllm_demo', 'rlhf_v_demo']")),
-                          ({"json_path": folder, "dataset": "alpaca_en_demo"}, "reads LLaMA-Factory's sharegpt"),
+                                                   "['alpaca_mm_demo', 'mllm_demo', 'mllm_video_demo', 'rlhf_v_demo']")),
+                          ({"json_path": folder, "dataset": "mllm_video_demo"},
+                           "[mllm_video_demo]: columns.videos = 'videos': not read by vlmexp"),
                           ({"json_path": str(tmp_path), "dataset": "x"}, "holds no dataset_info.json")):
         with pytest.raises(DataError, match=".") as e:
             sample_sources([DataSource(**entry)], tmp_path / "o.jsonl", 0)
@@ -191,8 +204,8 @@ def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_pa
         assert any(not (before[k] == after[k]).all() for k in before), f"{stage} changed no parameter"
         return cfg, final
 
-    cfg, final = train("sft", run_sft, ["trl_messages", "trl_prompt_completion", "llamafactory", "ms_swift"],
-                       "sft.args.max_length=512")
+    cfg, final = train("sft", run_sft, ["trl_messages", "trl_prompt_completion", "llamafactory",
+                                        "llamafactory_alpaca", "ms_swift"], "sft.args.max_length=512")
     _assert_loss_on_assistant_turns_only(cfg, final)
     train("dpo", run_dpo, ["trl_preference", "llamafactory_preference", "ms_swift"], "dpo.enabled=true",
           "dpo.pairs.from=data", "dpo.args.max_length=256")

@@ -19,6 +19,8 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     [assistant message], "images"}.
 (g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}.
 (h) "prompt_only": TRL's prompt-only (GRPO), {"prompt": [messages], "image" or "images", "solution" or "answer"}.
+(i) "alpaca": LLaMA-Factory's alpaca, {"instruction", "input", "output", "history": [[instruction, response]],
+    "images"}; its preference form has "chosen" / "rejected" strings instead of "output".
 
 Conversations are read by vlmexp.data.turns (roles, typed content parts, `<image>` tags, turn order).
 An image is a path, a `{bytes, path}` struct (a `datasets.Image` as parquet and Arrow store it), raw bytes
@@ -32,7 +34,7 @@ from typing import Any
 
 from vlmexp.config import TASKS
 from vlmexp.coords import parse_box
-from vlmexp.data.turns import Conversation, Tags, Turn, answer_text, conversation, read_turns
+from vlmexp.data.turns import Conversation, Tags, Turn, answer_text, conversation, read_turns, text_of
 
 # the fields that make a record one format (what `vlmexp sample --explain` shows and a record fitting none is
 # compared against), in the order formats are tried
@@ -42,18 +44,18 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_only": ("prompt", "solution or answer"),
     "messages": ("messages",),
     "conversations": ("conversations",),
+    "alpaca": ("instruction", "output or chosen / rejected"),
     "pairs": ("image or images", "question or problem", "chosen", "rejected"),
     "easyr1": ("problem", "answer", "images"),
     "rec": ("image", "problem", "solution"),
 }
 FORMATS = tuple(FORMAT_FIELDS)
-CONVERSATIONAL = ("conversations", "messages", "prompt_completion", "preference", "prompt_only")
 DEFAULT_TASK = {**{fmt: "exact" for fmt in FORMATS}, "rec": "rec", "easyr1": "math"}
 # What each format's records carry for SFT to imitate as written. The others hold a ground truth to score
 # against (EasyR1's `answer`; a rec record's box, from which SFT builds its target; a prompt-only record's
 # solution).
 ANSWER_TEXT = {"pairs": "chosen", "preference": "chosen", "conversations": "the last assistant turn",
-               "messages": "the last assistant turn", "prompt_completion": "the completion"}
+               "messages": "the last assistant turn", "prompt_completion": "the completion", "alpaca": "the output"}
 # accu_reward_method values of VLM-R1 JSONL data (om-ai-lab/VLM-R1, src/open-r1-multimodal/src/open_r1/
 # grpo_jsonl.py, accuracy_reward) -> our task; the method itself travels with the record (Example.method) and
 # picks the scoring within the task (vlmexp.answers, vlmexp.detection). Any other value is refused.
@@ -68,8 +70,8 @@ REFUSED_METHODS = {  # methods VLM-R1 defines that vlmexp does not run, and why
 }
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages", "prompt",
-          "completion", "system", "accu_reward_method", "task", "id", "chosen", "rejected", "rejected_response",
-          "demonstration")
+          "completion", "system", "instruction", "input", "output", "history", "accu_reward_method", "task", "id",
+          "chosen", "rejected", "rejected_response", "demonstration")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ class Example:
 def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
     """(the record's format, the fields that decided it), or None when it fits none (`no_format`)."""
     has = [k for k in ("prompt", "completion", "chosen", "rejected", "rejected_response", "messages",
-                       "conversations", "answer", "images", "solution", "problem") if k in record]
+                       "conversations", "instruction", "output", "answer", "images", "solution", "problem")
+           if k in record]
     if "prompt" in has:
         pair = [k for k in ("chosen", "rejected") if k in has]
         if pair:
@@ -102,6 +105,8 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
     for key in ("messages", "conversations"):
         if key in has:
             return key, [key, *(k for k in ("chosen", "rejected", "rejected_response") if k in has)]
+    if "instruction" in has:
+        return "alpaca", ["instruction", *(k for k in ("output", "chosen", "rejected") if k in has)]
     if "chosen" in has or "rejected" in has:
         return "pairs", [k for k in ("chosen", "rejected") if k in has]
     if "answer" in has and "images" in has:
@@ -162,8 +167,8 @@ def _conversational(record: dict[str, Any], fmt: str, need, tags: Tags) -> tuple
     """(images, problem, solution, the Example's other parts) of a conversational record: the turns read by
     vlmexp.data.turns, the answer after the last user turn (or a preference record's chosen one) as SFT's
     target, a `solution` / `answer` column (else that answer) as what rewards grade."""
-    key = {"conversations": "conversations", "messages": "messages"}.get(fmt, "prompt")
-    turns = read_turns(need(key), key, tags)
+    key = {"conversations": "conversations", "messages": "messages", "alpaca": "instruction"}.get(fmt, "prompt")
+    turns = _alpaca_turns(record, need) if fmt == "alpaca" else read_turns(need(key), key, tags)
     if fmt == "prompt_completion":
         turns = [*turns, Turn("assistant", answer_text(need("completion"), "completion", tags), 0)]
     conv: Conversation = conversation(turns, key)
@@ -194,6 +199,22 @@ def _conversational(record: dict[str, Any], fmt: str, need, tags: Tags) -> tuple
     system = record.get("system") if conv.system is None and isinstance(record.get("system"), str) else conv.system
     return images, problem, solution, {"rejected": rejected, "demonstration": None, "target": target,
                                        "system": system, "history": conv.history}
+
+
+def _alpaca_turns(record: dict[str, Any], need) -> list[Turn]:
+    """An alpaca record's turns as LLaMA-Factory builds them (src/llamafactory/data/converter.py,
+    AlpacaDatasetConverter): the `history` pairs, then `instruction` and `input` joined by a newline as the user
+    turn, then `output` (absent in a preference record, whose answers are `chosen` / `rejected`)."""
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):
+        raise ValueError("field 'history' must list [instruction, response] pairs")
+    texts = []
+    for instruction, response in history:
+        texts += [("user", instruction), ("assistant", response)]
+    texts.append(("user", "\n".join(str(v) for v in (need("instruction"), record.get("input")) if v)))
+    if record.get("output") is not None:
+        texts.append(("assistant", record["output"]))
+    return [Turn(role, *text_of(text, f"alpaca {role} turn {i}")) for i, (role, text) in enumerate(texts)]
 
 
 def _method_and_task(record: dict[str, Any], task: str | None, fmt: str) -> tuple[str | None, str]:

@@ -5,9 +5,10 @@ LLaMA-Factory (hiyouga/LLaMA-Factory, data/README.md) describes each dataset of 
 preference dataset), `columns` (messages, images, system, chosen, rejected, ...) and, for sharegpt, `tags`
 (role_tag, content_tag, user_tag, assistant_tag, system_tag). A source names the folder as its json_path and
 the dataset with `dataset:`; the entry becomes an ordinary source: its file, its columns mapped to vlmexp's
-fields (the messages column to `conversations`), its tags to the turn reader's, images relative to the folder
-(LLaMA-Factory's media_dir default). What vlmexp does not read (alpaca formatting, videos, audios, tools, KTO
-tags, other hubs) is refused, naming the entry and the key.
+fields (sharegpt's messages column to `conversations`; alpaca's prompt, query, response and history columns to
+`instruction`, `input`, `output`, `history`), its tags to the turn reader's, images relative to the folder
+(LLaMA-Factory's media_dir default). What vlmexp does not read (videos, audios, tools, KTO tags,
+`num_samples`, other hubs) is refused, naming the entry and the key.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from vlmexp.data.turns import Tags
 from vlmexp.errors import DataError, Problem
 
 INFO_NAME = "dataset_info.json"
-COLUMNS = {"messages": "conversations", "images": "images", "system": "system", "chosen": "chosen",
-           "rejected": "rejected"}  # LLaMA-Factory column key -> vlmexp field
-DEFAULT_COLUMNS = {"messages": "conversations"}  # LLaMA-Factory's defaults for sharegpt
-UNREAD_COLUMNS = ("videos", "audios", "tools", "kto_tag", "prompt", "query", "response", "history")
+SHARED = {"images": "images", "system": "system", "chosen": "chosen", "rejected": "rejected"}
+COLUMNS = {  # per formatting: LLaMA-Factory's column key -> vlmexp's field
+    "sharegpt": {"messages": "conversations", **SHARED},
+    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "history": "history", **SHARED},
+}
+UNREAD_COLUMNS = ("videos", "audios", "tools", "kto_tag")
 TAG_DEFAULTS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                 "system_tag": "system"}
 UNREAD_KEYS = ("script_url", "ms_hub_url", "om_hub_url", "cloud_file_name", "folder", "num_samples")
@@ -52,12 +55,18 @@ def resolve(src: DataSource) -> tuple[DataSource, Tags | None]:
     where = f"{info} [{src.dataset}]"
     problems = [Problem(where, key, "not read by vlmexp; remove it from the entry (use the source's "
                         "sampling_strategy for a subset)", entry[key]) for key in UNREAD_KEYS if key in entry]
-    if entry.get("formatting", "alpaca") != "sharegpt":
-        problems.append(Problem(where, "formatting", "vlmexp reads LLaMA-Factory's sharegpt formatting (its "
-                                "multimodal layout); convert the dataset to sharegpt", entry.get("formatting", "alpaca")))
-    columns = {**DEFAULT_COLUMNS, **(entry.get("columns") or {})}
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in COLUMNS:
+        raise DataError(Problem(where, "formatting", "LLaMA-Factory's formattings are alpaca and sharegpt",
+                                formatting), title="LLaMA-Factory dataset not readable")
+    # LLaMA-Factory's default columns (conversations; instruction, input, output) are vlmexp's field names:
+    # only the columns an entry names are renamed
+    columns = entry.get("columns") or {}
     problems += [Problem(where, f"columns.{key}", "not read by vlmexp (images and text only); drop the column from "
                          "the entry", value) for key, value in columns.items() if key in UNREAD_COLUMNS]
+    problems += [Problem(where, f"columns.{key}", f"not a column of LLaMA-Factory's {formatting} formatting; use "
+                         f"{', '.join(COLUMNS[formatting])}", value) for key, value in columns.items()
+                 if key not in COLUMNS[formatting] and key not in UNREAD_COLUMNS]
     if entry.get("ranking") and not {"chosen", "rejected"} <= set(columns):
         problems.append(Problem(where, "columns", "a ranking dataset names its chosen and rejected columns",
                                 entry.get("columns")))
@@ -66,7 +75,7 @@ def resolve(src: DataSource) -> tuple[DataSource, Tags | None]:
                                 "drop the source's `columns`", src.columns))
     if problems:
         raise DataError(problems, title="LLaMA-Factory dataset not readable")
-    mapped = {COLUMNS[key]: value for key, value in columns.items() if key in COLUMNS}
+    mapped = {COLUMNS[formatting][key]: value for key, value in columns.items()}
     folder = info.parent.resolve()
     update: dict[str, Any] = {"columns": mapped, "image_root": src.image_root or str(folder)}
     if "hf_hub_url" in entry:

@@ -61,7 +61,7 @@ class Conversation:
 def read_turns(value: Any, what: str, tags: Tags = Tags()) -> list[Turn]:
     """The turns of a list of messages, or ValueError naming the message, the key and the fix."""
     if isinstance(value, str):
-        return [Turn("user", *_text_of(value, what))]
+        return [Turn("user", *text_of(value, what))]
     if not isinstance(value, list) or not value:
         raise ValueError(f"field {what!r} must be a non-empty list of messages, got {_kind(value)}")
     return [read_turn(m, f"{what}[{i}]", tags) for i, m in enumerate(value)]
@@ -80,7 +80,7 @@ def read_turn(message: Any, what: str, tags: Tags = Tags()) -> Turn:
     if role is None:
         hint = (" (tool calls are not read: drop such turns or records)" if raw_role in TOOL_ROLES else "")
         raise ValueError(f"{what} has role {raw_role!r}; known roles: {', '.join(sorted(tags.roles))}{hint}")
-    return Turn(role, *_text_of(message[content_key], f"{what}.{content_key}"))
+    return Turn(role, *text_of(message[content_key], f"{what}.{content_key}"))
 
 
 def answer_text(value: Any, what: str, tags: Tags = Tags()) -> str:
@@ -119,8 +119,9 @@ def conversation(turns: list[Turn], what: str) -> Conversation:
     return Conversation(rest[last_user].text, system, history, answer, sum(t.images for t in turns))
 
 
-def _text_of(content: Any, what: str) -> tuple[str, int]:
-    """(text without image tags or parts, how many images it names)."""
+def text_of(content: Any, what: str) -> tuple[str, int]:
+    """(text without image tags or parts, how many images it names) of a message's content: a string or a
+    list of typed parts; ValueError naming `what` otherwise."""
     if isinstance(content, str):
         return content.replace(IMAGE_TAG, "").strip(), content.count(IMAGE_TAG)
     if not isinstance(content, list):
@@ -132,7 +133,7 @@ def _text_of(content: Any, what: str) -> tuple[str, int]:
         if kind == "image":
             images += 1
         elif kind == "text" and isinstance(part.get("text"), str):
-            text, tags = _text_of(part["text"], what)
+            text, tags = text_of(part["text"], what)
             texts.append(text)
             images += tags
         else:
