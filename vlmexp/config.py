@@ -182,7 +182,7 @@ class DataSource(Section):
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
     dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: the dataset_info.json entry to "
-                                "read (its file, sharegpt columns and tags); only with such a folder.")
+                                "read (its file, formatting, columns and tags); only with such a folder.")
 
     @field_validator("columns")
     @classmethod
