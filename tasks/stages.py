@@ -2,7 +2,7 @@
 typed records of `vlmexp.results`.
 
 Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.keys.stage_key`:
-the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
+the resolved config's relevant sections, the sampled data's content digest, the upstream stage's key), so
 re-running the flow with the same config and data skips them; `force` recomputes.
 """
 
@@ -56,9 +56,10 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 
 @task(name="sample-data", cache_policy=NO_CACHE, retry_condition_fn=retry_unless_bad_input)
 def sample_data(pending: str) -> SampledData:
-    """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
+    """Sample the data sources afresh (seeded): train/val JSONL files and their content digest. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.run_data import prepare_data
+    from vlmexp.data.sampling import explain_manifest
     from vlmexp.modeling import resolve_model
     from vlmexp.pipeline.keys import commit_resolved, load_resolved
     from vlmexp.prompts import check_sft_targets
@@ -69,9 +70,13 @@ def sample_data(pending: str) -> SampledData:
     if cfg.sft.enabled:
         check_sft_targets(data.train, cfg.sft.target_template)  # before any stage starts
     resolved = commit_resolved(pending)
-    get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
+    log = get_run_logger()
+    log.info("data: %s (content %s)", data.train, data.content_sha256[:12])
+    for path in [p for p in (data.train, data.val) if p is not None]:
+        for line in explain_manifest(path.with_name(path.stem + ".manifest.json")):
+            log.info("%s data: %s", path.stem, line)  # which format each source was read as, and why
     return SampledData(resolved=str(resolved), train=str(data.train), val=str(data.val) if data.val else None,
-                       hash=data.manifest_sha256, base_model=model_path)
+                       hash=data.content_sha256, base_model=model_path)
 
 
 @task(name="start-tracking", cache_policy=NO_CACHE)
@@ -86,7 +91,7 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline(
         f"{cfg.run.name}-pipeline", flatten(redact(cfg.model_dump(mode="json")), "config."),
-        run_tags({"prefect.flow_run_id": flow_run_id, "data.manifest_sha256": data_hash}))
+        run_tags({"prefect.flow_run_id": flow_run_id, "data.content_sha256": data_hash}))
     tracker.log_text(parent, redacted_yaml(resolved), Path(resolved).name)  # secrets in the config stay out
     for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
         tracker.log_artifact(parent, manifest, "data")

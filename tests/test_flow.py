@@ -106,7 +106,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
         assert source["mlflow.source.type"] == "LOCAL" and source["mlflow.source.name"] == command_name(), source
         assert source["mlflow.source.git.commit"] == tags["git_commit"].removesuffix("-dirty")
         assert source["git_dirty"] == str(tags["git_commit"].endswith("-dirty")).lower()
-    assert len(tags["data.manifest_sha256"]) == 64 and tags["stage.grpo"] == "trained"
+    assert len(tags["data.content_sha256"]) == 64 and tags["stage.grpo"] == "trained"
     # the Dataset column: the sampled data as dataset inputs, the same digest (the content's) in every run
     content = {split: json.loads((out / "data" / f"{split}.manifest.json").read_text())["content_sha256"][:16]
                for split in ("train", "val")}
@@ -138,7 +138,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert (out / "export" / "model.safetensors").is_file()
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
-    assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
+    assert manifest["data_content_sha256"] == tags["data.content_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
     # registry: the first export becomes the champion, with its metric on the version
     assert result.promotion.promoted and result.promotion.version == "1"
     assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"

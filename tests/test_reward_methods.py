@@ -217,11 +217,13 @@ def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
 
 
 def test_evaluation_gives_detection_ap_over_all_records():
+    from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 
     gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
-    records = [{**conversation("od_ap", gold), "record_format": "conversations", "task": "detection",
-                "image_sizes": SIZE}] * 2
+    records = [SampledRecord(task="detection", method="od_ap", problem="Which?", solution=gold, images=["a.png"],
+                             image_sizes=SIZE, image_refs=["a.png"], source="d.jsonl", source_id="", source_row=0,
+                             record_format="conversations")] * 2
     completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", "<answer>None</answer>"]
     metrics, _ = score_records(records, completions, "pixels", BUDGET)
     assert metrics["detection_reward"] == pytest.approx(0.5) and metrics["format_rate"] == 0.5

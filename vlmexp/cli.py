@@ -71,7 +71,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
     result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed)
-    print(format_report(result))
+    print(format_report(result, explain=args.explain))
     print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
     return 0
 
@@ -294,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("data_yaml")
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--explain", action="store_true",
+                   help="also print which format each source was read as and why (the fields that decided it)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")

@@ -168,8 +168,9 @@ class DataSource(Section):
     """One entry of a VLM-R1 data YAML's `datasets:` list."""
 
     json_path: str = Field(..., description="A .json (list), .jsonl, .parquet or .arrow file; a glob or folder of "
-                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; or a Hugging Face "
-                           "Hub dataset org/name@split (EasyR1's syntax).")
+                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; a LLaMA-Factory "
+                           "dataset folder (with dataset_info.json; name the dataset with `dataset`); or a Hugging "
+                           "Face Hub dataset org/name@split (EasyR1's syntax).")
     sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
     image_root: str | None = Field(None, description="Folder that relative image paths resolve against. "
                                    "Default: the file's or folder's own.")
@@ -180,6 +181,8 @@ class DataSource(Section):
                                            "prompt_key / answer_key / image_key).")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
+    dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: the dataset_info.json entry to "
+                                "read (its file, formatting, columns and tags); only with such a folder.")
 
     @field_validator("columns")
     @classmethod

@@ -24,7 +24,7 @@ class SampledData(Result):
     resolved: str  # <output_dir>/config.resolved.yaml, committed once the data sampled cleanly
     train: str  # sampled train.jsonl
     val: str | None  # sampled val.jsonl; None when the config holds no records out
-    hash: str  # the data manifest's sha256: what the stage keys depend on
+    hash: str  # the sampled data's content digest (PreparedData.content_sha256): what the stage keys depend on
     base_model: str  # the folder (or hub id) the first stage starts from
 
 
@@ -104,7 +104,7 @@ class PipelineResult(Result):
         """What an exported model's manifest records about how it was made."""
         from vlmexp.provenance import git_commit
 
-        return {"stage_key": self.upstream_key, "data_manifest_sha256": self.data.hash, "git_commit": git_commit(),
+        return {"stage_key": self.upstream_key, "data_content_sha256": self.data.hash, "git_commit": git_commit(),
                 "mlflow_parent_run_id": self.mlflow_run_id,
                 "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained}, "evaluation": self.evaluation}
 
