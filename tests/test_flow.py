@@ -18,7 +18,7 @@ SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.a
          "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
          "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
          "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
-         "eval.max_new_tokens=12", *SMALL_BATCHES]
+         "eval.max_new_tokens=12", "tracking.system_metrics_seconds=0.5", *SMALL_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,12 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     table = json.loads(Path(client.download_artifacts(grpo, "completions/step_000002.json", str(tmp_path))).read_text())
     assert {"completion", "prompt", "reward/iou", "reward/rewards_for_tests:char_variety"} <= set(table["columns"])
     assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "loss")] == [1, 2, 3, 4]
+    # the System metrics tab: MLflow's monitor sampled each stage process into the run it joined (no GPU here)
+    for stage in ("demo-sft", "demo-grpo"):
+        system = {k for k in runs[stage].data.metrics if k.startswith("system/")}
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+                "system/system_memory_usage_percentage"} <= system, (stage, system)
+        assert client.get_metric_history(runs[stage].info.run_id, "system/cpu_utilization_percentage")
     # evaluation: per-model metrics and tables
     ev = runs["eval"]
     assert {"base/rec_mean_iou", "sft/rec_mean_iou", "grpo/format_rate", "grpo/count"} <= set(ev.data.metrics)

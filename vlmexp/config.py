@@ -431,6 +431,11 @@ class TrackingConfig(Section):
     completions_every: int = Field(10, ge=0, description="Log a table of sample GRPO completions with their "
                                                          "rewards every N steps (0 = never).")
     completions_per_table: PositiveInt = Field(8, description="Completions per table.")
+    system_metrics: bool = Field(True, description="Sample CPU, memory, disk and network use, and GPU use and "
+                                 "memory where a GPU is present (needs nvidia-ml-py: the gpu extra), into each "
+                                 "training stage's run: MLflow's System metrics tab. false: none.")
+    system_metrics_seconds: float = Field(10, gt=0, description="Seconds between system-metric samples "
+                                                                "(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins).")
 
 
 class PipelineConfig(Section):
