@@ -152,6 +152,7 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.report import log_evaluation_run
     from vlmexp.pipeline.tracker import make_tracker
@@ -159,7 +160,7 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
-    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table)
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"))
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -184,16 +185,19 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 
 
 @task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
-def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
-    """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str, metrics: dict[str, float]) -> Promotion:
+    """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the model
+    it holds) in the MLflow Model Registry; move `champion` only to a better model."""
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
-    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric, value,
-                                     cfg.export.direction)
+    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric,
+                                     metrics.get(cfg.export.metric), cfg.export.direction, metrics,
+                                     sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
     return promotion

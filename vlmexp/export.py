@@ -75,14 +75,16 @@ def beats(value: float | None, champion_value: float | None, direction: str) -> 
 
 
 def register_and_promote(tracker, run_id: str, folder: str | Path, name: str, metric: str,
-                         value: float | None, direction: str) -> Promotion:
+                         value: float | None, direction: str, metrics: dict[str, Any] | None = None,
+                         dataset: str | Path | None = None) -> Promotion:
     """Register `folder` as a new version of `name`; give it the champion alias only if it beats the
-    current champion on `metric` (the value is stored on each version as tag `metric.<metric>`)."""
+    current champion on `metric` (the value is stored on each version as tag `metric.<metric>`). The folder
+    is a logged model of `run_id` holding its evaluation `metrics` (on the `dataset` manifest's data)."""
     tags = {"metric_name": metric, "direction": direction, "mlflow_run_id": run_id}
     if value is not None:
         tags[f"metric.{metric}"] = repr(float(value))
     current = tracker.champion(name, ALIAS)
-    version = tracker.register_model(run_id, folder, name, tags)
+    version = tracker.register_model(run_id, folder, name, tags, metrics, dataset)
     champion_version, champion_value = None, None
     if current is not None:
         champion_version = current[0]

@@ -10,9 +10,12 @@ from typing import Any
 from vlmexp.pipeline.tracker import NullTracker
 
 
-def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]],
+                       dataset: str | Path | None = None) -> None:
     """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
-    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent). Each evaluated
+    model that a stage logged as a model gets its metrics too (`eval/<metric>` on the held-out `dataset`
+    manifest's data) and is an input of the run."""
     run_id = tracker.start_stage(parent_run_id, "eval")
     for e in evaluations:
         metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
@@ -21,6 +24,7 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
         tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
     tracker.log_table(run_id, table, "evaluation/comparison.json")
     tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.log_evaluated_models(run_id, {e.model: e.metrics for e in evaluations}, dataset)
     tracker.end(run_id)
 
 

@@ -79,8 +79,13 @@ class NullTracker:
     def run_link(self, run_id: str) -> str:
         return ""
 
-    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None) -> str:
         return ""
+
+    def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
+                             dataset: str | Path | None) -> list[str]:
+        return []
 
     def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
         return None
@@ -163,7 +168,8 @@ class MlflowTracker(NullTracker):
             data = Path(path).with_name(Path(path).name.removesuffix(".manifest.json") + ".jsonl")
             profile = {"rows": manifest["rows"], "content_sha256": manifest["content_sha256"],
                        "sources": [src["json_path"] for src in manifest["sources"]]}
-            dataset = Dataset(name=data.stem, digest=manifest["content_sha256"][:DIGEST_CHARS], source_type="local",
+            name, digest = dataset_ref(path)
+            dataset = Dataset(name=name, digest=digest, source_type="local",
                               source=json.dumps({"uri": str(data.resolve())}), profile=json.dumps(profile))
             inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
         self.client.log_inputs(run_id, datasets=inputs)
@@ -180,19 +186,56 @@ class MlflowTracker(NullTracker):
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} experiment {self.experiment_id} run {run_id}"
 
-    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
-        """Log `folder` as the run's `model` artifact and register it as a new version of `name`."""
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None) -> str:
+        """Log `folder` as a logged model of run `run_id` (its files uploaded into the model), with its
+        evaluation `metrics` (`eval/<metric>`, on the `dataset` manifest's data), and register that model as a
+        new version of `name`: the version's model id is the logged model's, its source the model's files."""
         from mlflow.exceptions import MlflowException
 
-        self.client.log_artifacts(run_id, str(folder), "model")
+        from vlmexp.pipeline.logged_models import (
+            find_model,
+            log_folder_model,
+            log_model_metrics,
+            register_version,
+        )
+
+        model_id = log_folder_model(self.client, self.experiment_id, run_id, folder, "export", 0, copy=True)
+        manifest = Path(folder) / "manifest.json"
+        source = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
+        made_from = find_model(self.client, self.experiment_id, source) if source else None
+        if made_from is not None:  # the stage model it was exported from (a LoRA merged into its base, or as is)
+            self.client.set_logged_model_tags(model_id, {"vlmexp.exported_from": made_from.model_id})
+        if metrics:
+            log_model_metrics(self.client, model_id, {f"eval/{k}": v for k, v in metrics.items()}, 0,
+                              dataset_ref(dataset) if dataset else None)
         try:
             self.client.get_registered_model(name)
         except MlflowException:
             self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` alias marks "
                                                                   "the best version so far")
-        source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
-        version = self.client.create_model_version(name, source, run_id=run_id, tags=dict(tags))
-        return str(version.version)
+        return register_version(self.client, self.uri, name, model_id, f"models:/{model_id}", run_id, tags)
+
+    def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
+                             dataset: str | Path | None) -> list[str]:
+        """Each evaluated model folder's metrics ({folder: metrics}) onto its logged model, as `eval/<metric>` at
+        the model's step in the run that made it, on the `dataset` manifest's data; the models become inputs of
+        the evaluation run. A folder no run logged as a model (the base model) is left out. Returns the ids."""
+        from mlflow.entities import LoggedModelInput
+
+        from vlmexp.pipeline.logged_models import STEP_TAG, find_model, log_model_metrics
+
+        ids = []
+        for folder, metrics in models.items():
+            model = find_model(self.client, self.experiment_id, folder) if Path(folder).is_dir() else None
+            if model is None:
+                continue
+            log_model_metrics(self.client, model.model_id, {f"eval/{k}": v for k, v in metrics.items()},
+                              int(model.tags.get(STEP_TAG, 0)), dataset_ref(dataset) if dataset else None)
+            ids.append(model.model_id)
+        if ids:
+            self.client.log_inputs(eval_run_id, models=[LoggedModelInput(i) for i in ids])
+        return ids
 
     def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
         """(version, tags) of the version holding `alias`, or None when there is none yet."""
@@ -208,6 +251,13 @@ class MlflowTracker(NullTracker):
 
     def set_alias(self, name: str, version: str, alias: str = "champion") -> None:
         self.client.set_registered_model_alias(name, alias, version)
+
+
+def dataset_ref(manifest: str | Path) -> tuple[str, str]:
+    """(name, digest) of a sampled file as MLflow's datasets name it: the file's stem and the first characters
+    of its manifest's content digest (the same data, the same digest, wherever it was sampled)."""
+    name = Path(manifest).name.removesuffix(".manifest.json")
+    return name, json.loads(Path(manifest).read_text())["content_sha256"][:DIGEST_CHARS]
 
 
 def ui_address(host: str, port: int, uri: str = "", experiment: str = "") -> str:
