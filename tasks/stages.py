@@ -188,16 +188,22 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 def register_model(resolved: str, key: str, folder: str, parent_run_id: str, metrics: dict[str, float]) -> Promotion:
     """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the model
     it holds) in the MLflow Model Registry; move `champion` only to a better model."""
+    import json
+
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.registration import plan_registration
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
+    # by copy or by reference, as the export's manifest says (an export written before it said: planned now)
+    plan = json.loads((Path(folder) / "manifest.json").read_text()).get("registration")
     promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric,
-                                     metrics.get(cfg.export.metric), cfg.export.direction, metrics,
-                                     sampled_manifests(cfg).get("evaluation"))
+                                     metrics.get(cfg.export.metric), cfg.export.direction,
+                                     registration=plan or plan_registration(cfg.export, folder), metrics=metrics,
+                                     dataset=sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
     return promotion

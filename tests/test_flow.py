@@ -145,6 +145,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
     assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
+    assert manifest["registration"]["mode"] == "copy"  # a tiny model: under export.copy_max_gib
     # registry: the first export becomes the champion, with its metric on the version
     assert result.promotion.promoted and result.promotion.version == "1"
     assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"
@@ -195,6 +196,7 @@ def _assert_logged_models(client, exp, runs, champion, ev, val_digest):
     assert export.source_run_id == parent and export.tags["vlmexp.exported_from"] == models["grpo-final"].model_id
     # the registered version is that model: its source, its id, and the model lists the version
     assert champion.source == f"models:/{export.model_id}" and champion.tags["model_id"] == export.model_id
+    assert champion.tags["registration"] == "copy" == export.tags["vlmexp.registration"]
     assert json.loads(export.tags["mlflow.modelVersions"]) == [{"name": "vlmexp-demo", "version": "1"}]
     assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(export.model_id)}
     assert {m.key: m.value for m in export.metrics}["eval/rec_mean_iou"] == ev.data.metrics["grpo/rec_mean_iou"]

@@ -62,6 +62,22 @@ def log_folder_model(client, experiment_id: str, run_id: str, folder: str | Path
     return model.model_id
 
 
+def log_export_model(client, experiment_id: str, run_id: str, folder: str | Path, copy: bool,
+                     metrics: Mapping[str, float], dataset: tuple[str, str] | None) -> str:
+    """The exported `folder` as a logged model of run `run_id` (its files copied into it, or external), with the
+    evaluation `metrics` of the model it holds (`eval/<metric>`) and tag `vlmexp.exported_from`: the logged
+    model of the stage folder its manifest names as its source, when a stage logged one. Returns its id."""
+    model_id = log_folder_model(client, experiment_id, run_id, folder, "export", 0, copy=copy)
+    manifest = Path(folder) / "manifest.json"
+    made_from = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
+    origin = find_model(client, experiment_id, made_from) if made_from else None
+    if origin is not None:  # the stage model it was exported from (a LoRA merged into its base, or as it is)
+        client.set_logged_model_tags(model_id, {"vlmexp.exported_from": origin.model_id})
+    if metrics:
+        log_model_metrics(client, model_id, {f"eval/{k}": v for k, v in metrics.items()}, 0, dataset)
+    return model_id
+
+
 def copy_step_metrics(client, run_id: str, model_id: str, step: int, keys: Iterable[str]) -> None:
     """The run's values of `keys` at `step` onto the model, timestamps kept (the run's history is unchanged)."""
     from mlflow.entities import Metric

@@ -80,7 +80,8 @@ class NullTracker:
         return ""
 
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
-                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None) -> str:
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
+                       registration: Mapping[str, Any] | None = None) -> str:
         return ""
 
     def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
@@ -187,34 +188,31 @@ class MlflowTracker(NullTracker):
         return f"{self.uri} experiment {self.experiment_id} run {run_id}"
 
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
-                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None) -> str:
-        """Log `folder` as a logged model of run `run_id` (its files uploaded into the model), with its
-        evaluation `metrics` (`eval/<metric>`, on the `dataset` manifest's data), and register that model as a
-        new version of `name`: the version's model id is the logged model's, its source the model's files."""
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
+                       registration: Mapping[str, Any] | None = None) -> str:
+        """Log `folder` as a logged model of run `run_id`, with its evaluation `metrics` (`eval/<metric>`, on the
+        `dataset` manifest's data), and register that model as a new version of `name`. `registration` (mode
+        copy or reference, `vlmexp.registration`): copied, the model holds the files and the version's source is
+        `models:/<model_id>`; by reference, the model is external and the version points at the files where
+        they stay (`reference_target`)."""
         from mlflow.exceptions import MlflowException
 
-        from vlmexp.pipeline.logged_models import (
-            find_model,
-            log_folder_model,
-            log_model_metrics,
-            register_version,
-        )
+        from vlmexp.pipeline.logged_models import log_export_model, register_version
+        from vlmexp.registration import reference_target
 
-        model_id = log_folder_model(self.client, self.experiment_id, run_id, folder, "export", 0, copy=True)
-        manifest = Path(folder) / "manifest.json"
-        source = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
-        made_from = find_model(self.client, self.experiment_id, source) if source else None
-        if made_from is not None:  # the stage model it was exported from (a LoRA merged into its base, or as is)
-            self.client.set_logged_model_tags(model_id, {"vlmexp.exported_from": made_from.model_id})
-        if metrics:
-            log_model_metrics(self.client, model_id, {f"eval/{k}": v for k, v in metrics.items()}, 0,
-                              dataset_ref(dataset) if dataset else None)
+        if not registration or registration.get("mode") not in ("copy", "reference"):
+            raise ValueError(f"registration of {folder} must say mode copy or reference, not {registration!r}")
+        copy = registration["mode"] == "copy"
+        model_id = log_export_model(self.client, self.experiment_id, run_id, folder, copy, metrics or {},
+                                    dataset_ref(dataset) if dataset else None)
         try:
             self.client.get_registered_model(name)
         except MlflowException:
             self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` alias marks "
                                                                   "the best version so far")
-        return register_version(self.client, self.uri, name, model_id, f"models:/{model_id}", run_id, tags)
+        files = f"models:/{model_id}" if copy else reference_target(folder, model_id, registration.get("reference_uri"))
+        self.client.set_logged_model_tags(model_id, {"vlmexp.registration": registration["mode"], "vlmexp.files": files})
+        return register_version(self.client, self.uri, name, model_id, files, run_id, tags)
 
     def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
                              dataset: str | Path | None) -> list[str]:
