@@ -160,7 +160,8 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
-    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"))
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"),
+                       cfg.export.metric)
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -215,6 +216,7 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     from prefect.artifacts import create_markdown_artifact
 
     from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.report import log_headline
     from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.summary import render_summary, summary_tags
 
@@ -224,5 +226,6 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
     tracker.log_text(run.mlflow_run_id, text, "summary.md")
     tracker.set_tags(run.mlflow_run_id, summary_tags(run))
+    log_headline(tracker, run, cfg.export.metric)
     tracker.end(run.mlflow_run_id, status)
     return run.model_copy(update={"summary": text})

@@ -152,6 +152,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     champion = client.get_model_version_by_alias("vlmexp-demo", "champion")
     assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
     _assert_logged_models(client, exp, runs, champion, ev, content["val"])
+    _assert_headline_charts(client, runs, ev)
 
     _assert_no_secret_in_mlflow(client, exp, tmp_path / "scan")
     assert "<redacted>" in (out / "export" / "vlmexp_config.yaml").read_text()
@@ -201,6 +202,26 @@ def _assert_logged_models(client, exp, runs, champion, ev, val_digest):
     assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(export.model_id)}
     assert {m.key: m.value for m in export.metrics}["eval/rec_mean_iou"] == ev.data.metrics["grpo/rec_mean_iou"]
     assert not [a for a in _artifacts(client, parent) if a.startswith("model/")]  # the weights are not copied twice
+
+
+def _assert_headline_charts(client, runs, ev):
+    """The first section of a run page's charts (MLflow's UI sorts sections by name, upper case first, and puts
+    keys without a section last): "Summary", holding the reward and the main evaluation metric."""
+    grpo, sft, parent = (runs[n].info.run_id for n in ("demo-grpo", "demo-sft", "demo-pipeline"))
+
+    def history(run, key):
+        return [(m.step, m.value) for m in client.get_metric_history(run, key)]
+
+    assert history(grpo, "Summary/reward") == history(grpo, "reward") and len(history(grpo, "reward")) == 3
+    assert history(grpo, "Summary/rec_mean_iou") == [(3, ev.data.metrics["grpo/rec_mean_iou"])]
+    assert history(sft, "Summary/rec_mean_iou") == [(4, ev.data.metrics["sft/rec_mean_iou"])]
+    headline = {k: v for k, v in client.get_run(parent).data.metrics.items() if k.startswith("Summary/")}
+    assert headline == {"Summary/rec_mean_iou": ev.data.metrics["grpo/rec_mean_iou"],
+                        "Summary/reward": history(grpo, "reward")[-1][1]}
+    for run in (grpo, parent):
+        sections = sorted({k.rsplit("/", 1)[0] for k in client.get_run(run).data.metrics
+                           if "/" in k and not k.startswith("system/")})
+        assert sections[0] == "Summary", sections
 
 
 def _assert_no_secret_in_mlflow(client, exp, scan: Path):

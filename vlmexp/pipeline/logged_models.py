@@ -105,9 +105,10 @@ def find_model(client, experiment_id: str, folder: str | Path, run_id: str | Non
 
 
 def log_model_metrics(client, model_id: str, metrics: Mapping[str, float], step: int,
-                      dataset: tuple[str, str] | None = None) -> None:
+                      dataset: tuple[str, str] | None = None) -> list[str]:
     """Evaluation metrics onto the model, logged in the run that made it at `step` and tied to `dataset`
-    (name, digest); keys the model already holds are left as they are (a re-run logs nothing twice)."""
+    (name, digest); keys the model already holds are left as they are (a re-run logs nothing twice). Returns
+    the keys logged."""
     from mlflow.entities import Metric
 
     model = client.get_logged_model(model_id)
@@ -118,6 +119,7 @@ def log_model_metrics(client, model_id: str, metrics: Mapping[str, float], step:
              for k, v in metrics.items() if k not in held]
     if fresh:
         client.log_batch(model.source_run_id, metrics=fresh, synchronous=True)
+    return [m.key for m in fresh]
 
 
 def register_version(client, uri: str, name: str, model_id: str, source: str, run_id: str,

@@ -32,6 +32,16 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
 # bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
 UI_MODEL_TRAINING = "workflowType=machine_learning"
 DIGEST_CHARS = 16  # of a dataset input's digest: MLflow's store keeps up to 36 characters
+# The first charts of a run page. MLflow 3.17's UI makes one chart per metric, in sections named by the key up to
+# its last "/", sections sorted by name (JavaScript's sort: upper case before lower case) and charts by key, and
+# the keys without "/" last ("Model metrics"); the layout a person rearranges lives in the browser only
+# (RunsChartsCardConfig.getBaseChartAndSectionConfigs and RunViewMetricChartsV2 in its bundle, which keeps it in
+# localStorage), so names are the one lever the server has. TRL's keys are lower case (clip_ratio/..., the
+# first section before), so "Summary/reward" and "Summary/<export.metric>" open the page of a GRPO, DPO and
+# parent run.
+HEADLINE = "Summary"
+# the reward a stage's headline chart shows: (the Trainer's key, the chart's name)
+HEADLINE_REWARD = {"grpo": ("reward", "reward"), "dpo": ("rewards/margins", "reward_margin")}
 
 
 def sanitize_metric_name(name: str) -> str:
@@ -85,7 +95,7 @@ class NullTracker:
         return ""
 
     def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
-                             dataset: str | Path | None) -> list[str]:
+                             dataset: str | Path | None, headline: str | None = None) -> list[str]:
         return []
 
     def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
@@ -215,10 +225,11 @@ class MlflowTracker(NullTracker):
         return register_version(self.client, self.uri, name, model_id, files, run_id, tags)
 
     def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
-                             dataset: str | Path | None) -> list[str]:
+                             dataset: str | Path | None, headline: str | None = None) -> list[str]:
         """Each evaluated model folder's metrics ({folder: metrics}) onto its logged model, as `eval/<metric>` at
         the model's step in the run that made it, on the `dataset` manifest's data; the models become inputs of
-        the evaluation run. A folder no run logged as a model (the base model) is left out. Returns the ids."""
+        the evaluation run. The `headline` metric is also `Summary/<headline>` in that run (its first chart). A
+        folder no run logged as a model (the base model) is left out. Returns the ids."""
         from mlflow.entities import LoggedModelInput
 
         from vlmexp.pipeline.logged_models import STEP_TAG, find_model, log_model_metrics
@@ -228,8 +239,11 @@ class MlflowTracker(NullTracker):
             model = find_model(self.client, self.experiment_id, folder) if Path(folder).is_dir() else None
             if model is None:
                 continue
-            log_model_metrics(self.client, model.model_id, {f"eval/{k}": v for k, v in metrics.items()},
-                              int(model.tags.get(STEP_TAG, 0)), dataset_ref(dataset) if dataset else None)
+            step = int(model.tags.get(STEP_TAG, 0))
+            fresh = log_model_metrics(self.client, model.model_id, {f"eval/{k}": v for k, v in metrics.items()}, step,
+                                      dataset_ref(dataset) if dataset else None)
+            if headline in metrics and fresh:  # logged once, with the model's own metrics
+                self.log_metrics(model.source_run_id, {f"{HEADLINE}/{headline}": metrics[headline]}, step)
             ids.append(model.model_id)
         if ids:
             self.client.log_inputs(eval_run_id, models=[LoggedModelInput(i) for i in ids])

@@ -1,6 +1,7 @@
 """What a stage process adds to its MLflow run beyond transformers' MLflowCallback: each checkpoint and the
-final model as a logged model of the run (`vlmexp.pipeline.logged_models`). Only the process that holds the
-run (global rank 0) adds these callbacks; an unreachable store costs the models' entries, never the training."""
+final model as a logged model of the run (`vlmexp.pipeline.logged_models`), and the reward under the name
+that opens the run page (`HeadlineMetrics`). Only the process that holds the run (global rank 0) adds these
+callbacks; an unreachable store costs the models' entries, never the training."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ class CheckpointModels(TrainerCallback):
         except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
             log.warning("step %d: %s not logged as an MLflow model, store unreachable (%s); training goes on", step,
                         folder, str(e).splitlines()[0][:300])
+
+
+class HeadlineMetrics(TrainerCallback):
+    """The stage's reward, also as `Summary/reward` (GRPO) or `Summary/reward_margin` (DPO): the first chart of the
+    run page (vlmexp.pipeline.tracker.HEADLINE). It runs before MLflowCallback and adds the key to what that
+    logs; trainer_state.json keeps the Trainer's own keys only."""
+
+    def __init__(self, stage: str):
+        from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD
+
+        key, name = HEADLINE_REWARD.get(stage, (None, None))
+        self.key, self.name = key, f"{HEADLINE}/{name}"
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.key and logs and self.key in logs:
+            logs[self.name] = logs[self.key]

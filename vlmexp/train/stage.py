@@ -149,10 +149,11 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
     models = None
-    if run is not None:  # each checkpoint and final/ as a logged model of the run
-        from vlmexp.train.mlflow_callbacks import CheckpointModels
+    if run is not None:  # each checkpoint and final/ as a logged model of the run; the reward's headline chart
+        from vlmexp.train.mlflow_callbacks import CheckpointModels, HeadlineMetrics
 
         trainer.add_callback(models := CheckpointModels(run))
+        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
