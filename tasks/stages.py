@@ -207,6 +207,10 @@ def register_model(resolved: str, key: str, folder: str, parent_run_id: str, met
                                      dataset=sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
+    if promotion.promoted:  # the event the "new champion" automation notifies on (flows/automations.py)
+        from tasks.events import emit_promoted
+
+        emit_promoted(promotion, str(flow_run.id or ""))
     return promotion
 
 
