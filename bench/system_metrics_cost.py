@@ -1,18 +1,19 @@
 """What MLflow's system-metrics sampling costs a training step (`tracking.system_metrics`).
 
-    .venv/bin/python bench/system_metrics_cost.py [--rounds 3] [--sft-steps 60] [--grpo-steps 12] [--seconds 10]
+    .venv/bin/python bench/system_metrics_cost.py [--sft-steps 48] [--grpo-steps 16] [--block 4] [--seconds 10]
         [--out bench/results/system_metrics_cost.json]
 
-Two measurements:
+Three measurements, on configs/demo.yaml's SFT and GRPO steps (its batch sizes; 256 generated records):
 
-1. End to end: `vlmexp train sft` and `vlmexp train grpo` on configs/demo.yaml (its batch sizes, 256 generated
-   records), each a fresh process with its own MLflow store, with the sampling on and off, alternating (the
-   order flips every round, so a slow minute of the machine does not land on one side). Per run: the
-   Trainer's `train_runtime` (the training loop, read back from the run) per optimizer step, and how many
-   samples the run holds.
-2. The sampler alone: one sample as MLflow's monitor thread takes it (every monitor's `collect_metrics`,
-   `aggregate_metrics`, the batch logged to a sqlite store, the run status read), timed 100 times in this
-   process. Its share of a step = the sample's time / the interval: the thread's work per second of training.
+1. Steps with and without the sampler, in one process: the stage is trained in-process (`run_sft` / `run_grpo`,
+   tracking on, the sampler under this script's control) and a callback starts MLflow's monitor (the class
+   `mlflow.start_run(log_system_metrics=True)` starts) for some blocks of `--block` steps and stops it for
+   others, in the order on, off, off, on (repeated): a minute in which the shared machine runs slow falls on both
+   sides alike. Per step: wall seconds from `on_step_begin` to `on_step_end`.
+2. The sampler's own CPU time in those runs: every monitor thread's user + system seconds (psutil, read before
+   it stops), per second of sampling.
+3. One sample timed alone, 100 times in this process: every monitor's `collect_metrics` and `aggregate_metrics`,
+   the batch logged to a sqlite store and the run status read, as the thread does it.
 """
 
 from __future__ import annotations
@@ -22,32 +23,80 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PATTERN = (True, False, False, True)  # sampler on / off per block
 
 
-def train(stage: str, steps: int, on: bool, seconds: float, folder: Path) -> dict:
-    """One `vlmexp train STAGE` process; its seconds per step and the samples its run holds."""
-    from mlflow.tracking import MlflowClient
+def toggling_callback(seconds: float, block: int):
+    """A TrainerCallback that runs MLflow's monitor during the `on` blocks and times every step."""
+    import psutil
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    from transformers import TrainerCallback
 
-    store = f"sqlite:///{folder / 'mlflow.db'}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    cmd = [sys.executable, "-m", "vlmexp.cli", "train", stage, "--config", "configs/demo.yaml",
-           f"run.output_dir={folder}", f"tracking.tracking_uri={store}", "data.demo.train=256", "data.demo.val=8",
-           f"{stage}.args.max_steps={steps}", f"{stage}.args.save_steps={steps * 10}",
-           f"tracking.system_metrics={str(on).lower()}", f"tracking.system_metrics_seconds={seconds}"]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True)
-    client = MlflowClient(store)
-    [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
-    metrics = run.data.metrics
-    samples = len(client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage"))
-    return {"stage": stage, "system_metrics": on, "steps": steps, "s_per_step": metrics["train_runtime"] / steps,
-            "samples": samples, "system_keys": sorted(k for k in metrics if k.startswith("system/"))}
+    class Toggle(TrainerCallback):
+        def __init__(self):
+            self.steps: list[tuple[bool, float]] = []
+            self.monitor, self.cpu, self.sampled = None, 0.0, 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            import mlflow
+
+            on = PATTERN[(state.global_step // block) % len(PATTERN)]
+            if on and self.monitor is None:
+                self.monitor = SystemMetricsMonitor(mlflow.active_run().info.run_id, sampling_interval=seconds)
+                self.monitor.start()
+                self.since = time.monotonic()
+            elif not on and self.monitor is not None:
+                self.stop()
+            self.on, self.start = on, time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append((self.on, time.perf_counter() - self.start))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.monitor is not None:
+                self.stop()
+
+        def stop(self):
+            native = self.monitor._process.native_id
+            times = [t for t in psutil.Process().threads() if t.id == native]
+            self.cpu += sum(t.user_time + t.system_time for t in times)
+            self.sampled += time.monotonic() - self.since
+            self.monitor.finish()
+            self.monitor = None
+
+    return Toggle()
+
+
+def train(stage: str, steps: int, seconds: float, block: int, folder: Path) -> dict:
+    """One in-process stage with the sampler toggled in blocks; per-step seconds on and off."""
+    from vlmexp.config_loader import load_config
+
+    cfg = load_config(REPO / "configs/demo.yaml", [
+        f"run.output_dir={folder}", f"tracking.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
+        "tracking.system_metrics=false", "data.demo.train=256", "data.demo.val=8",
+        f"{stage}.args.max_steps={steps}", f"{stage}.args.save_steps={steps * 10}", "sft.enabled=true"])
+    toggle = toggling_callback(seconds, block)
+    if stage == "sft":
+        from vlmexp.train.sft import run_sft
+
+        run_sft(cfg, callbacks=[toggle])
+    else:
+        from vlmexp.train.grpo import run_grpo
+
+        run_grpo(cfg, callbacks=[toggle])
+    on = [s for flag, s in toggle.steps if flag]
+    off = [s for flag, s in toggle.steps if not flag]
+    return {"stage": stage, "steps": steps, "block": block, "on_s": on, "off_s": off,
+            "on_median_s": statistics.median(on), "off_median_s": statistics.median(off),
+            "on_mean_s": statistics.mean(on), "off_mean_s": statistics.mean(off),
+            "ratio_of_means": statistics.mean(on) / statistics.mean(off),
+            "sampler_cpu_s": toggle.cpu, "sampled_s": toggle.sampled,
+            "sampler_cpu_share": toggle.cpu / toggle.sampled if toggle.sampled else None}
 
 
 def sampler_alone(folder: Path, repeats: int = 100) -> dict:
@@ -75,30 +124,22 @@ def sampler_alone(folder: Path, repeats: int = 100) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sft-steps", type=int, default=60)
-    parser.add_argument("--grpo-steps", type=int, default=12)
+    parser.add_argument("--sft-steps", type=int, default=48)
+    parser.add_argument("--grpo-steps", type=int, default=16)
+    parser.add_argument("--block", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "system_metrics_cost.json"))
     args = parser.parse_args()
-    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for stage, steps in (("sft", args.sft_steps), ("grpo", args.grpo_steps)):
-                for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    runs.append(train(stage, steps, on, args.seconds, Path(tmp) / f"{stage}-{r}-{on}"))
-                    print(json.dumps(runs[-1]), flush=True)
+        runs = []
+        for stage, steps in (("sft", args.sft_steps), ("grpo", args.grpo_steps)):
+            runs.append(train(stage, steps, args.seconds, args.block, Path(tmp) / stage))
+            print(json.dumps({k: v for k, v in runs[-1].items() if not k.endswith("_s")}), flush=True)
         sampler = sampler_alone(Path(tmp))
-    summary = {}
-    for stage in ("sft", "grpo"):
-        on = statistics.median(x["s_per_step"] for x in runs if x["stage"] == stage and x["system_metrics"])
-        off = statistics.median(x["s_per_step"] for x in runs if x["stage"] == stage and not x["system_metrics"])
-        summary[stage] = {"on_s_per_step": on, "off_s_per_step": off, "ratio": on / off,
-                          "sampler_share": sampler["median_s"] / args.seconds}
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores", "args": vars(args), "runs": runs, "sampler": sampler, "summary": summary}
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "args": vars(args), "runs": runs, "sampler_alone": sampler}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(sampler))
 
 
 if __name__ == "__main__":
