@@ -29,7 +29,7 @@ def model_name(path: str | Path) -> str:
 
 
 def log_folder_model(client, experiment_id: str, run_id: str, folder: str | Path, model_type: str, step: int,
-                     keys: Iterable[str] = (), copy: bool = False, name: str | None = None) -> str:
+                     keys: Iterable[str] = (), copy: bool = False) -> str:
     """The logged model of `folder`, made by run `run_id` at `step` (created once: the same run, folder and
     step give the same model back, so a resumed stage does not list a checkpoint twice). `copy`: the folder's
     files are uploaded as the model's artifacts; otherwise it is external and only its path is recorded.
@@ -46,7 +46,7 @@ def log_folder_model(client, experiment_id: str, run_id: str, folder: str | Path
         from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
 
         tags[MLFLOW_MODEL_IS_EXTERNAL] = "true"
-    model = client.create_logged_model(experiment_id, name=name or model_name(folder), source_run_id=run_id,
+    model = client.create_logged_model(experiment_id, name=model_name(folder), source_run_id=run_id,
                                        tags=tags, model_type=model_type)
     if copy:
         client.log_model_artifacts(model.model_id, str(folder))
