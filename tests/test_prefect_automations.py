@@ -44,70 +44,128 @@ def _wait(what, seconds: float = 90):
     return what()
 
 
-def test_automations_notify_and_new_data_starts_a_retrain(tmp_path):
-    from prefect import get_client
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A Prefect server with prefect.yaml deployed (scheduled-retrain with its data trigger, the sensor) and a
+    webhook notification block `custom-webhook/hook` that posts to this test (RECEIVED)."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
-    from prefect.events.filters import EventFilter, EventNameFilter
     from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.automations import FLOWS, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED, ZOMBIE
 
     hook = HTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
-    with prefect_server(tmp_path) as server, temporary_settings({PREFECT_API_URL: server.url}):
-        create_pools_and_deploy(server)  # prefect.yaml: scheduled-retrain with its data trigger, the sensor
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as server, \
+            temporary_settings({PREFECT_API_URL: server.url}):
+        create_pools_and_deploy(server)
         CustomWebhookNotificationBlock(name="test", url=f"http://127.0.0.1:{hook.server_port}/hook",
                                        json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("hook")
-
-        def setup(*args: str) -> str:
-            r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup", *args], capture_output=True,
-                               text=True, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)}, timeout=120,
-                               check=False)
-            assert r.returncode == (2 if "--notify" in args and "nope" in args[-1] else 0), r.stderr[-2000:]
-            return r.stdout + r.stderr
-
-        assert "no such block" in setup("--notify", "custom-webhook/nope")
-        assert f"created: {ZOMBIE}" in setup("--notify", "custom-webhook/hook")
-        assert f"updated: {NOTIFY_PROMOTED}" in setup("--notify", "custom-webhook/hook")  # again: no duplicate
-        with get_client(sync_client=True) as client:
-            automations = {a.name: a for a in client.read_automations()}
-            assert [a.name for a in client.read_automations()].count(ZOMBIE) == 1
-        assert {ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED,
-                "vlmexp: retrain when the demo data changes"} <= set(automations)
-        zombie = automations[ZOMBIE].trigger
-        assert zombie.posture == "Proactive" and zombie.after == {"prefect.flow-run.heartbeat"}
-        assert zombie.expect == {"prefect.flow-run.*"} and zombie.within == timedelta(seconds=600)  # 3 x 180 s + 60
-        assert zombie.match_related["prefect.resource.name"] == FLOWS
-        assert automations[ZOMBIE].actions[0].force is False  # a finished run is never turned into Crashed
-
-        _fail_a_pipeline_run(tmp_path)
-        from tasks.events import emit_promoted
-        from vlmexp.export import Promotion
-
-        emit_promoted(Promotion("vlmexp-demo", "3", "rec_mean_iou", 0.41, "2", 0.35, True, "0.4100 > 0.3500"), "")
-        retrains = _new_data_starts_a_retrain(tmp_path)
-        from prefect.events.worker import EventsWorker
-
-        EventsWorker.drain_all()
-        names = ["vlmexp.pipeline.failed", "vlmexp.model.promoted", "vlmexp.data.changed"]
-
-        def read_events():
-            with get_client(sync_client=True) as client:  # the server takes at most 50 a page
-                found = {e.event: e for e in client.read_events(EventFilter(event=EventNameFilter(name=names)),
-                                                                limit=50).events}
-            return found if len(found) == len(names) else None
-
-        events = _wait(read_events)
-        assert events and set(events) == set(names), events
-        assert events["vlmexp.pipeline.failed"].resource.id == "vlmexp.pipeline.demo"
-        assert events["vlmexp.model.promoted"].payload["version"] == "3"
-        assert events["vlmexp.data.changed"].resource.id == "vlmexp.data.demo"
-        bodies = _wait(lambda: " | ".join(r["subject"] + ": " + r["body"] for r in RECEIVED)
-                       if len(RECEIVED) >= 2 else None)
-        assert bodies and "vlmexp-demo version 3 is the champion" in bodies, bodies
-        assert "pipeline demo Failed" in bodies and "sft.args.learning_rate" in bodies, bodies
-        assert retrains, "no scheduled-retrain run was started by the data trigger"
+        yield server
     hook.shutdown()
+
+
+def _setup(server, *args: str) -> str:
+    """`vlmexp prefect-setup ARGS` against the server; its output (exit 2 expected for an unknown block)."""
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup", *args], capture_output=True,
+                       text=True, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)}, timeout=120, check=False)
+    assert r.returncode == (2 if "--notify" in args and "nope" in args[-1] else 0), r.stderr[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from flows.automations import FLOWS, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED, ZOMBIE
+
+    assert "no such block" in _setup(server, "--notify", "custom-webhook/nope")
+    assert f"created: {ZOMBIE}" in _setup(server, "--notify", "custom-webhook/hook")
+    assert f"updated: {NOTIFY_PROMOTED}" in _setup(server, "--notify", "custom-webhook/hook")  # again: no duplicate
+    with get_client(sync_client=True) as client:
+        automations = {a.name: a for a in client.read_automations()}
+        assert [a.name for a in client.read_automations()].count(ZOMBIE) == 1
+    assert {ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED,
+            "vlmexp: retrain when the demo data changes"} <= set(automations)
+    zombie = automations[ZOMBIE].trigger
+    assert zombie.posture == "Proactive" and zombie.after == {"prefect.flow-run.heartbeat"}
+    assert zombie.expect == {"prefect.flow-run.*"} and zombie.within == timedelta(seconds=600)  # 3 x 180 s + 60
+    assert zombie.match_related["prefect.resource.name"] == FLOWS
+    assert automations[ZOMBIE].actions[0].force is False  # a finished run is never turned into Crashed
+
+    _fail_a_pipeline_run(tmp_path)
+    from tasks.events import emit_promoted
+    from vlmexp.export import Promotion
+
+    emit_promoted(Promotion("vlmexp-demo", "3", "rec_mean_iou", 0.41, "2", 0.35, True, "0.4100 > 0.3500"), "")
+    retrains = _new_data_starts_a_retrain(tmp_path)
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+    names = ["vlmexp.pipeline.failed", "vlmexp.model.promoted", "vlmexp.data.changed"]
+
+    def read_events():
+        with get_client(sync_client=True) as client:  # the server takes at most 50 a page
+            found = {e.event: e for e in client.read_events(EventFilter(event=EventNameFilter(name=names)),
+                                                            limit=50).events}
+        return found if len(found) == len(names) else None
+
+    events = _wait(read_events)
+    assert events and set(events) == set(names), events
+    assert events["vlmexp.pipeline.failed"].resource.id == "vlmexp.pipeline.demo"
+    assert events["vlmexp.model.promoted"].payload["version"] == "3"
+    assert events["vlmexp.data.changed"].resource.id == "vlmexp.data.demo"
+    bodies = _wait(lambda: " | ".join(r["subject"] + ": " + r["body"] for r in RECEIVED)
+                   if len(RECEIVED) >= 2 else None)
+    assert bodies and "vlmexp-demo version 3 is the champion" in bodies, bodies
+    assert "pipeline demo Failed" in bodies and "sft.args.learning_rate" in bodies, bodies
+    assert retrains, "no scheduled-retrain run was started by the data trigger"
+
+
+def test_a_run_gone_silent_is_crashed_and_a_finished_one_is_not(server):
+    """The zombie automation at the shortest heartbeat Prefect allows (30 s: a 150 s window), on flow runs whose
+    process is gone (created through the API, their heartbeats sent from here): a vlm-stage run whose last event
+    was a heartbeat is marked Crashed with the automation's message and the lost-run notification goes out; one
+    that completed and then sent a heartbeat (the known false positive, PrefectHQ/prefect#18653) stays
+    Completed; a run of another flow that went silent is left alone."""
+    from prefect import flow, get_client
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    from prefect.states import Completed, Running
+
+    from flows.automations import ZOMBIE, ZOMBIE_MESSAGE
+    from flows.stage import vlm_stage
+
+    assert ZOMBIE in _setup(server, "--notify", "custom-webhook/hook", "--heartbeat-seconds", "30")
+
+    @flow(name="not-vlmexp")
+    def elsewhere():
+        pass
+
+    def heartbeat(run, of) -> float:
+        emit_event("prefect.flow-run.heartbeat",
+                   resource={"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.name": run.name},
+                   related=[{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow",
+                             "prefect.resource.name": of.name}])
+        EventsWorker.drain_all()
+        return time.monotonic()
+
+    with get_client(sync_client=True) as client:
+        runs = {name: (client.create_flow_run(of, name=name, state=Running()), of)
+                for name, of in (("lost-node", vlm_stage), ("finished", vlm_stage), ("not-ours", elsewhere))}
+        for run, of in runs.values():
+            heartbeat(run, of)
+        client.set_flow_run_state(runs["finished"][0].id, Completed())
+        time.sleep(2)
+        last = heartbeat(*runs["finished"])  # sent after Completed: arms the trigger once more
+
+        def state(name: str):
+            return client.read_flow_run(runs[name][0].id).state
+
+        crashed = _wait(lambda: state("lost-node").is_crashed(), 240)
+        assert crashed and state("lost-node").message == ZOMBIE_MESSAGE, state("lost-node")
+        time.sleep(max(0.0, last + 150 + 30 - time.monotonic()))  # past the finished run's window too
+        assert state("finished").is_completed(), state("finished")
+        assert state("not-ours").is_running(), state("not-ours")
+    lost = _wait(lambda: [r for r in RECEIVED if "lost-node lost" in r["subject"]])
+    assert lost and "marked Crashed" in lost[0]["body"], RECEIVED
 
 
 def _fail_a_pipeline_run(tmp_path: Path) -> None:
