@@ -145,12 +145,12 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
     assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
-    assert manifest["registration"]["mode"] == "copy"  # a tiny model: under export.copy_max_gib
     # registry: the first export becomes the champion, with its metric on the version
     assert result.promotion.promoted and result.promotion.version == "1"
     assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"
     champion = client.get_model_version_by_alias("vlmexp-demo", "champion")
     assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
+    assert manifest["registration"]["mode"] == "copy"  # a tiny model: under export.copy_max_gib
     _assert_logged_models(client, exp, runs, champion, ev, content["val"])
     _assert_headline_charts(client, runs, ev)
 
