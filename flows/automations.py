@@ -82,6 +82,9 @@ def set_up(notify: str | None = None, heartbeat_seconds: int | None = None) -> d
         raise ValueError("PREFECT_API_URL is not set: automations belong on the server your workers use, e.g. "
                          "export PREFECT_API_URL=http://127.0.0.1:4200/api (a temporary server forgets them)")
     seconds = heartbeat_seconds or get_current_settings().flows.heartbeat_frequency or 180
+    if seconds < 30:
+        raise ValueError(f"--heartbeat-seconds {seconds}: Prefect sends flow-run heartbeats at most every 30 s "
+                         "(PREFECT_FLOWS_HEARTBEAT_FREQUENCY >= 30); give the workers' value")
     done = {}
     with get_client(sync_client=True) as client:
         automations = [zombie_automation(seconds)] + (notify_automations(notification_block(client, notify))
