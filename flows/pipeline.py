@@ -88,6 +88,5 @@ def _pipeline(config: str, overrides: list[str] | None, force: bool, started: di
         export_key = stage_key(cfg, "export", data.hash, run.upstream_key)
         run.export = _cached(export_model, key=export_key, model=run.model, provenance=run.provenance(), **tracked)
         if cfg.tracking.backend != "none":
-            run.promotion = register_model(data.resolved, export_key, run.export, run.mlflow_run_id,
-                                           run.metric(cfg.export.metric))
+            run.promotion = register_model(data.resolved, export_key, run.export, run.mlflow_run_id, run.metrics())
     return summarise(run)

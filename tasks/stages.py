@@ -157,6 +157,7 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.report import log_evaluation_run
     from vlmexp.pipeline.tracker import make_tracker
@@ -164,7 +165,8 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
-    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table)
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"),
+                       cfg.export.metric)
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -189,18 +191,31 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 
 
 @task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
-def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
-    """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str, metrics: dict[str, float]) -> Promotion:
+    """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the model
+    it holds) in the MLflow Model Registry; move `champion` only to a better model."""
+    import json
+
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.registration import plan_registration
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
-    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric, value,
-                                     cfg.export.direction)
+    # by copy or by reference, as the export's manifest says (an export written before it said: planned now)
+    plan = json.loads((Path(folder) / "manifest.json").read_text()).get("registration")
+    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric,
+                                     metrics.get(cfg.export.metric), cfg.export.direction,
+                                     registration=plan or plan_registration(cfg.export, folder), metrics=metrics,
+                                     dataset=sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
+    if promotion.promoted:  # the event the "new champion" automation notifies on (flows/automations.py)
+        from tasks.events import emit_promoted
+
+        emit_promoted(promotion, str(flow_run.id or ""))
     return promotion
 
 
@@ -210,6 +225,7 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     from prefect.artifacts import create_markdown_artifact
 
     from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.report import log_headline
     from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.summary import render_summary, summary_tags
 
@@ -219,5 +235,6 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
     tracker.log_text(run.mlflow_run_id, text, "summary.md")
     tracker.set_tags(run.mlflow_run_id, summary_tags(run))
+    log_headline(tracker, run, cfg.export.metric)
     tracker.end(run.mlflow_run_id, status)
     return run.model_copy(update={"summary": text})

@@ -240,3 +240,24 @@ def test_every_config_field_has_a_description():
     missing = [f"{name}.{key}".lstrip(".") for name, model in config_sections()
                for key, field in model.model_fields.items() if not (field.description or "").strip()]
     assert not missing, f"config fields without a description (add Field(description=...)): {missing}"
+
+
+def test_system_metrics_on_a_gpu_without_nvidia_ml_py_are_refused_with_the_fix(monkeypatch):
+    """A stage on a CUDA GPU without nvidia-ml-py stops before training (MLflow alone would log no GPU use and
+    say so only at info level). No GPU here: torch is made to report one, and pynvml to be missing."""
+    import importlib.util
+
+    import torch
+
+    from vlmexp.train.mlflow_run import start_system_metrics
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pynvml" else find_spec(name, *a))
+    cfg = load_config(REPO / "configs/demo.yaml", [], check_paths=False)
+    with pytest.raises(ConfigError, match=r"tracking\.system_metrics = True: a CUDA GPU is here but nvidia-ml-py is not "
+                                          r"installed.*pip install nvidia-ml-py.*tracking\.system_metrics: false"):
+        start_system_metrics(cfg)
+    off = load_config(REPO / "configs/demo.yaml", ["tracking.system_metrics=false"], check_paths=False)
+    assert start_system_metrics(off) is False

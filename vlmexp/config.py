@@ -412,6 +412,14 @@ class ExportConfig(Section):
                                                     "takes the `champion` alias.")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a higher or a lower "
                                                                                "metric is better.")
+    registration: Literal["auto", "copy", "reference"] = Field(
+        "auto", description="How the export is registered: copy (its files uploaded into MLflow), reference (the "
+                            "version points at them where they are: a hard-linked snapshot in the output folder, or "
+                            "export.reference_uri), or auto: copy up to export.copy_max_gib, reference above.")
+    copy_max_gib: float = Field(1.0, gt=0, description="auto: the largest export (GiB) registered by copy.")
+    reference_uri: str | None = Field(None, description="reference: where the version points instead of a snapshot, "
+                                                        "e.g. s3://bucket/models/demo-v7; it must hold this export "
+                                                        "(its manifest.json is compared).")
 
     @field_validator("metric")
     @classmethod
@@ -434,6 +442,11 @@ class TrackingConfig(Section):
     completions_every: int = Field(10, ge=0, description="Log a table of sample GRPO completions with their "
                                                          "rewards every N steps (0 = never).")
     completions_per_table: PositiveInt = Field(8, description="Completions per table.")
+    system_metrics: bool = Field(True, description="Sample CPU, memory, disk and network use, and GPU use and "
+                                 "memory where a GPU is present (needs nvidia-ml-py: the gpu extra), into each "
+                                 "training stage's run: MLflow's System metrics tab. false: none.")
+    system_metrics_seconds: float = Field(10, gt=0, description="Seconds between system-metric samples "
+                                                                "(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins).")
 
 
 class PipelineConfig(Section):

@@ -95,10 +95,14 @@ class PipelineResult(Result):
         """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's."""
         return [("base", self.data.base_model, "")] + [(s.stage, s.final, s.key) for s in self.trained]
 
+    def metrics(self) -> dict[str, int | float]:
+        """The newest model's evaluation metrics ({} without evaluation)."""
+        last = self.candidates()[-1][0]
+        return next((dict(e.metrics) for e in self.evaluations if e.name == last), {})
+
     def metric(self, name: str) -> float | None:
         """The newest model's evaluation metric `name` (None without evaluation)."""
-        last = self.candidates()[-1][0]
-        return next((e.metrics.get(name) for e in self.evaluations if e.name == last), None)
+        return self.metrics().get(name)
 
     def provenance(self) -> dict[str, Any]:
         """What an exported model's manifest records about how it was made."""

@@ -148,6 +148,12 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         last = last_logged_step(run.uri, run.run_id)
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
+    models = None
+    if run is not None:  # each checkpoint and final/ as a logged model of the run; the reward's headline chart
+        from vlmexp.train.mlflow_callbacks import CheckpointModels, HeadlineMetrics
+
+        trainer.add_callback(models := CheckpointModels(run))
+        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
@@ -162,6 +168,8 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     if trainer.args.should_save:
         inputs.processor.save_pretrained(str(final))
         (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
+    if models is not None:
+        models.log_final(final, trainer.state.global_step)
     return final
 
 
