@@ -393,6 +393,29 @@ class EvalConfig(Section):
         None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's and "
                           "verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their figures. "
                           "Default: the grader of grpo.rewards' math entry, else math_verify.")
+    every_steps: int | None = Field(
+        None, ge=0, description="Validate during SFT, DPO and GRPO every N optimizer steps and at the last step: "
+        "generate on the first eval.during_training_samples held-out records in the stage process and score them "
+        "with this evaluation's scorers, logged to the stage's MLflow run as val/<metric> at that step. 0 or null: "
+        "off (the default).")
+    during_training_samples: PositiveInt = Field(
+        64, description="Held-out records each validation during training generates on (the first N of the "
+        "sampled held-out file); with max_new_tokens and during_training_n it bounds a validation's cost.")
+    during_training_n: PositiveInt = Field(
+        1, description="Completions per record in a validation during training. 1: one completion (greedy at "
+        "temperature 0), logged as val/<metric>. N > 1: N samples at during_training_temperature, logged as "
+        "val/<metric>/mean_at_N (the metric averaged over the N samples) and val/<metric>/best_at_N (each "
+        "record's best-scoring sample): verl's mean@N and best@N, named so MLflow accepts them.")
+    during_training_temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of validation during training; 0 = greedy (needs "
+        "during_training_n: 1).")
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> EvalConfig:
+        if self.during_training_n > 1 and self.during_training_temperature == 0:
+            raise ValueError(f"during_training_n: {self.during_training_n} greedy completions of one record are all "
+                             "the same; set during_training_temperature > 0 (e.g. 1.0), or during_training_n: 1")
+        return self
 
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
@@ -420,6 +443,11 @@ class ExportConfig(Section):
     reference_uri: str | None = Field(None, description="reference: where the version points instead of a snapshot, "
                                                         "e.g. s3://bucket/models/demo-v7; it must hold this export "
                                                         "(its manifest.json is compared).")
+    checkpoint: Literal["last", "best"] = Field(
+        "last", description="What is exported and registered: last, the last trained stage's final model; best, "
+        "that stage's checkpoint with the best validation during training (export.metric in export.direction, "
+        "as val/<metric>, or val/<metric>/mean_at_N with eval.during_training_n > 1), which is kept out of "
+        "checkpoint rotation. best needs eval.every_steps.")
 
     @field_validator("metric")
     @classmethod
