@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
+from test_flow import prefect  # noqa: F401 - the module-scoped Prefect test harness
 
 from vlmexp.config_loader import load_config
 from vlmexp.errors import ConfigError
@@ -139,3 +140,29 @@ def test_grpo_best_checkpoint_survives_rotation_and_resume(tmp_path):
     validations = [h for h in last if "val/format_rate/best_at_2" in h]
     assert [h["step"] for h in validations] == [2, 4, 6]
     assert all(h["val/format_rate/best_at_2"] >= h["val/format_rate/mean_at_2"] for h in validations)
+
+
+@pytest.mark.slow
+def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path):  # noqa: F811 - fixture
+    """SFT validating every 2 of 4 steps, export.checkpoint: best: the best checkpoint (step 2, a tie with step 4
+    keeps the earlier) is evaluated as sft-best, exported (its weights, not final's), registered with its metric,
+    and the manifest says which step and why."""
+    from safetensors.torch import load_file
+    from test_flow import DEMO, SMALL, _mlflow, _run
+
+    out = tmp_path / "run"
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, "grpo.enabled=false", "sft.args.save_steps=100",
+                         "eval.every_steps=2", "eval.during_training_samples=4", "export.checkpoint=best"])
+    assert [row["model"] for row in result.evaluation] == ["base", "sft", "sft-best"]
+    manifest = json.loads((out / "export" / "manifest.json").read_text())
+    chosen = manifest["checkpoint"]
+    assert (chosen["choice"], chosen["stage"], chosen["step"], chosen["metric"]) == ("best", "sft", 2, "val/rec_mean_iou")
+    assert "at step 2" in chosen["reason"] and manifest["source"].endswith("sft/checkpoint-2")
+    exported, best = (load_file(p / "model.safetensors") for p in (out / "export", out / "sft" / "checkpoint-2"))
+    final = load_file(out / "sft" / "final" / "model.safetensors")
+    assert all((exported[k] == best[k]).all() for k in best) and any((best[k] != final[k]).any() for k in best)
+    sft_best = next(e for e in result.evaluations if e.name == "sft-best")
+    assert result.promotion.value == sft_best.metrics["rec_mean_iou"]
+
+    client, _, runs = _mlflow(out)
+    assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "val/rec_mean_iou")] == [2, 4]
