@@ -330,6 +330,34 @@ class RewardSpec(Section):
                                                                      "(e.g. iou_threshold's threshold).")
 
 
+class DifficultyFilterConfig(Section):
+    """GRPO's dynamic sampling, done offline: before training, the start model samples `num_samples` completions
+    per training prompt, scored like GRPO's; prompt groups whose scores carry no signal (all equal) or whose mean
+    lies outside (low, high) are dropped, and GRPO trains on the rest (EasyR1's online_filtering semantics)."""
+
+    enabled: bool = Field(False, description="Filter the training prompts before GRPO; off by default.")
+    num_samples: int = Field(8, ge=2, description="Completions per prompt (use grpo.args.num_generations to see "
+                                                  "the groups GRPO will see).")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; default: GRPO's "
+                                                              "(grpo.args.temperature, TRL's default 1.0).")
+    max_new_tokens: PositiveInt | None = Field(None, description="Tokens per completion; default: GRPO's "
+                                                                 "max_completion_length.")
+    reward: str = Field("overall", description="What a group is judged by: overall (the weighted sum of "
+                                               "grpo.rewards GRPO's advantages come from; EasyR1's filter_key) or the "
+                                               "name of one of grpo.rewards.")
+    low: float | None = Field(None, description="Keep a prompt only if its group's mean score is above this "
+                                                "(EasyR1's filter_low, 0.01 there for a 0/1 accuracy). Default: no bound.")
+    high: float | None = Field(None, description="Keep a prompt only if its group's mean score is below this "
+                                                 "(EasyR1's filter_high, 0.99 there). Default: no bound.")
+    batch_size: PositiveInt = Field(8, description="Prompts per generate call while sampling.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DifficultyFilterConfig:
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie between them")
+        return self
+
+
 class GRPOStageConfig(StageConfig):
     """GRPO with trl.GRPOTrainer; `args` are trl.GRPOConfig fields."""
 
@@ -339,12 +367,19 @@ class GRPOStageConfig(StageConfig):
     sft_adapter: Literal["merge", "continue"] = Field(
         "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
                              "full or with a new grpo.peft), or continue training that adapter.")
+    difficulty_filter: DifficultyFilterConfig = Field(
+        default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards carry "
+        "no signal before GRPO trains (dynamic sampling, offline); off by default.")
 
     @model_validator(mode="after")
     def _adapter_mode(self) -> GRPOStageConfig:
         if self.sft_adapter == "continue" and self.peft is not None:
             raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove grpo.peft, "
                              "or use sft_adapter: merge to add a new adapter on the merged model")
+        names = [r.name for r in self.rewards]
+        if self.difficulty_filter.reward not in ("overall", *names):
+            raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor one of "
+                             f"grpo.rewards {names}; name one of them")
         return self
 
 
