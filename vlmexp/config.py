@@ -327,7 +327,8 @@ class RewardSpec(Section):
                       "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
-                                                                     "(e.g. iou_threshold's threshold).")
+                                                                     "(e.g. iou_threshold's threshold; exact's "
+                                                                     "default_match: vlm_r1 | exact).")
 
 
 class DifficultyFilterConfig(Section):

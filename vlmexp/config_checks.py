@@ -28,7 +28,7 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
     """Reward names and data sources of a raw (merged, overridden) config mapping; entries the schema refuses
     are left to the schema's own problems."""
     from vlmexp.data.sources import check_source
-    from vlmexp.rewards import check_reward_name
+    from vlmexp.rewards import DEFAULT_MATCHES, check_reward_name
 
     out: list[Found] = []
     for loc, spec in _entries(raw, ("grpo", "rewards"), RewardSpec):
@@ -38,6 +38,10 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
             out.append(((*loc, "name"), spec.name, str(e)))
         if spec.name == "math" and "grader" in spec.kwargs:  # refused before any work, with the install hint
             out += _grader_problem((*loc, "kwargs", "grader"), spec.kwargs["grader"])
+        if spec.name == "exact" and spec.kwargs.get("default_match", "vlm_r1") not in DEFAULT_MATCHES:
+            out.append(((*loc, "kwargs", "default_match"), spec.kwargs["default_match"],
+                        f"how the exact reward scores accu_reward_method 'default': one of {', '.join(DEFAULT_MATCHES)} "
+                        "(vlm_r1: VLM-R1's default_accuracy_reward, partial credit; exact: equality)"))
     grader = (raw.get("eval") or {}).get("math_grader") if isinstance(raw.get("eval"), dict) else None
     if grader is not None:
         out += _grader_problem(("eval", "math_grader"), grader)
