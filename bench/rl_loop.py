@@ -76,9 +76,12 @@ def run_seed(seed: int, arms: list[str], every: int, overrides: list[str], tmp: 
     data = prepare_data(cfg)
     resolve_model(cfg.model, Path(tmp))
     start = time.monotonic()
-    if sft:
+    if sft:  # its stage record from its folder: seconds from the stage's marker to its final weights
         models = {"sft": Path(sft)}
         out["sft_from"] = sft
+        folder = Path(sft).parent
+        made, done = (folder / ".vlmexp-made.json").stat().st_mtime, (Path(sft) / "model.safetensors").stat().st_mtime
+        out["stages"]["sft"] = stage_record(folder, done - made)
     else:
         models = {"sft": run_sft(cfg)}
         out["stages"]["sft"] = stage_record(Path(tmp) / "sft", time.monotonic() - start)

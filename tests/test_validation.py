@@ -166,3 +166,34 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
 
     client, _, runs = _mlflow(out)
     assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "val/rec_mean_iou")] == [2, 4]
+
+
+@pytest.mark.slow
+def test_two_processes_validate_on_the_main_one_only(tmp_path):
+    """torchrun with 2 CPU processes (DDP over gloo): the main process generates and scores, the other waits and
+    takes the same decisions (a save at each new best); nothing hangs."""
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
+                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
+                        *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
+                        "sft.args.per_device_train_batch_size=2", "eval.every_steps=1", "eval.max_new_tokens=8",
+                        "launch.launcher=torchrun", "launch.nproc_per_node=2"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
+    state = json.loads((tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "val/rec_mean_iou" in h] == [1, 2]
+    assert (tmp_path / "sft" / f"checkpoint-{state['best_global_step']}").is_dir()
+
+
+@pytest.mark.slow
+def test_zero3_over_two_processes_is_refused_before_any_step(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
+                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
+                        *SMALL_BATCHES, "sft.args.max_steps=2", "eval.every_steps=1", "launch.launcher=torchrun",
+                        "launch.nproc_per_node=2", "launch.deepspeed=configs/deepspeed/zero3.json"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0
+    assert "DeepSpeed ZeRO-3 shards the parameters over the 2 processes" in r.stderr and "zero2.json" in r.stderr
+    assert not list((tmp_path / "sft").glob("checkpoint-*"))

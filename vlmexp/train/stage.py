@@ -55,8 +55,10 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.families import detect_family
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.train.validation import check_sharding
 
     check_hardware(getattr(cfg, stage), stage)
+    check_sharding(cfg, stage)  # validation during training with sharded parameters over several processes
     set_seed(cfg.run.seed)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
     # Every rank of a launch gets here. The main process builds first (tiny model, sampled data): a non-zero

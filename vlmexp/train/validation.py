@@ -19,9 +19,9 @@ folder as `state.best_model_checkpoint`, which `rotate_checkpoints` never delete
 after a crash keeps the best so far. A tie keeps the earlier step.
 
 Processes: the main process generates and scores while the others wait; the metrics then go to every rank
-(accelerate's `broadcast_object_list`), so all ranks take the same decision to save. Refused before the first
-step, when more than one process trains: FSDP and DeepSpeed ZeRO-3, whose parameters are sharded over the ranks,
-so a generate on the main process alone would wait forever for the others.
+(accelerate's `broadcast_object_list`), so all ranks take the same decision to save. Refused when more than one
+process trains with FSDP or DeepSpeed ZeRO-3, whose parameters are sharded over the ranks, so a generate on the
+main process alone would wait forever for the others (`check_sharding`: before the model loads, from the config).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def add_validation(trainer, inputs) -> Validation | None:
         return None
     from vlmexp.errors import ConfigError, Problem
 
-    check_sharding(trainer)
+    check_sharding(cfg, inputs.stage, trainer)
     if inputs.val_path is None:
         raise ConfigError(Problem("eval.every_steps", "", "validation during training needs held-out records, and "
                                   "the sampled data has none; set data.val_datasets, data.val_data_yaml or "
@@ -191,20 +191,31 @@ def add_validation(trainer, inputs) -> Validation | None:
     return callback
 
 
-def check_sharding(trainer) -> None:
-    """Refuse FSDP and DeepSpeed ZeRO-3 across several processes: a generate on one rank would hang."""
+def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
+    """Refuse validation during training when several processes train with sharded parameters (DeepSpeed ZeRO-3,
+    FSDP): a generate on one rank would hang. From the config before the model loads (launch.deepspeed's
+    zero_optimization.stage, the stage's args.fsdp), and from the built `trainer` (an accelerate config's)."""
     from accelerate import PartialState
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if PartialState().num_processes > 1 and (is_deepspeed_zero3_enabled() or trainer.is_fsdp_enabled):
+    processes = PartialState().num_processes
+    if not cfg.eval.every_steps or processes == 1:
+        return
+    if trainer is not None:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        zero3, fsdp = is_deepspeed_zero3_enabled(), trainer.is_fsdp_enabled
+    else:
+        ds = json.loads(Path(cfg.launch.deepspeed).read_text()) if cfg.launch.deepspeed else {}
+        zero3, fsdp = (ds.get("zero_optimization") or {}).get("stage") == 3, bool(getattr(cfg, stage).args.get("fsdp"))
+    if zero3 or fsdp:
         from vlmexp.errors import ConfigError, Problem
 
-        scheme = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else "FSDP"
+        scheme = "DeepSpeed ZeRO-3" if zero3 else "FSDP"
         raise ConfigError(Problem("eval.every_steps", "", f"validation during training generates on the main "
-                                  f"process alone, and {scheme} shards the parameters over the "
-                                  f"{PartialState().num_processes} processes, so that generate would wait forever "
-                                  "for the others; use ZeRO-2 (configs/deepspeed/zero2.json) or DDP, or set "
-                                  "eval.every_steps: 0 and evaluate after the stage", trainer.args.deepspeed))
+                                  f"process alone, and {scheme} shards the parameters over the {processes} "
+                                  "processes, so that generate would wait forever for the others; use ZeRO-2 "
+                                  "(configs/deepspeed/zero2.json) or DDP, or set eval.every_steps: 0 and evaluate "
+                                  "after the stage", cfg.eval.every_steps))
 
 
 def write_summary(state, cfg: Config, stage_dir: Path) -> dict[str, Any]:
