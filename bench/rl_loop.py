@@ -8,7 +8,9 @@ SFT (or, with --sft, an SFT model trained before: its folder's final/), then GRP
 arm, every stage validating every --every steps
 (`eval.every_steps`, greedy on 64 held-out records: it leaves the weights as they would be without it); then
 every model evaluated on the 256 held-out records. Arms: `plain` is configs/demo.yaml's GRPO; `filtered` adds
-`grpo.difficulty_filter.enabled=true` (the prompts the SFT model's samples all score alike are dropped first).
+`grpo.difficulty_filter.enabled=true` (the prompts the SFT model's samples all score alike are dropped first);
+`plain-binary` and `filtered-binary` train on a 0/1 reward instead of IoU (`iou_threshold`: IoU >= 0.5), where
+most groups of a weak model score all 0.
 
 Each seed's JSON (bench/results/rl_loop/seed<S>.json) holds per stage: its wall seconds, each validation's
 seconds and their share of the stage, the validation curve; per GRPO arm: its frac_reward_zero_std per logged
@@ -32,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_matrix import machine, paired  # the bench folder is not a package
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = {"plain": [], "filtered": ["grpo.difficulty_filter.enabled=true"]}
+BINARY = "grpo.rewards=[{name: format, weight: 0.25}, {name: iou_threshold, weight: 1.0}]"  # 1 when IoU >= 0.5
+ARMS = {"plain": [], "filtered": ["grpo.difficulty_filter.enabled=true"],
+        "plain-binary": [BINARY], "filtered-binary": [BINARY, "grpo.difficulty_filter.enabled=true"]}
 
 
 def history(stage_dir: Path) -> list[dict]:
