@@ -105,6 +105,8 @@ def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
     for key in ("val/rec_mean_iou", "val/rec_acc50", "val/format_rate", "val/seconds"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [2, 4, 5], key
     assert "val/count" not in run.data.metrics
+    # the Trainer's own log of a validation step is still there
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
     summary = json.loads((tmp_path / "val" / "sft" / "validation.json").read_text())
     assert summary["metric"] == "val/rec_mean_iou" and [s for s, _ in summary["history"]] == [2, 4, 5]
     assert "validation on 4 held-out records x 1" in validated.stderr

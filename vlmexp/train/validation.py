@@ -120,7 +120,9 @@ class Validation(TrainerCallback):
             state.best_metric, state.best_global_step = value, state.global_step
             control.should_save = True  # the Trainer records the checkpoint as state.best_model_checkpoint
         state.log_history.append({**logs, "step": state.global_step})  # as Trainer.log does
+        should_log = control.should_log  # the handler's on_log clears it: the Trainer's own log of this step stays
         self.trainer.callback_handler.on_log(args, state, control, dict(logs))
+        control.should_log = should_log
         return control
 
     def better(self, value: float, best: float | None) -> bool:
