@@ -1,6 +1,7 @@
 """Validation during training and GRPO's difficulty filter on the demo: what they cost and what they change.
 
-    .venv/bin/python bench/rl_loop.py [--seeds 42 7] [--arms plain filtered] [--every 25] [--out-dir DIR]
+    .venv/bin/python bench/rl_loop.py [--seeds 42 7] [--arms plain filtered [plain-binary filtered-binary]]
+        [--every 25] [--out-dir DIR]
         [--work DIR] [--sft SFT_FINAL] [k=v ...]
 
 Per seed, in one process with tracking off (as bench/demo_matrix.py runs a cell): the demo's data and tiny model,
@@ -113,7 +114,7 @@ def run_seed(seed: int, arms: list[str], every: int, overrides: list[str], tmp: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["plain", "filtered"])
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "rl_loop"))
     parser.add_argument("--work", default=None, help="where each seed's folder is made (and kept with --keep)")
