@@ -52,3 +52,9 @@ def record_check(prompts, completions, source_row, image_sizes, solution, **kwar
         scores.append(float(ok))
     record_check.seen += len(scores)
     return scores
+
+
+def odd_rows_vary(prompts, completions, source_row, **kwargs):
+    """No signal for records of even `source_row` (0.5 for every completion), a sure one for odd rows: 0, 1, 0, 1
+    along the call (a group's completions are consecutive, in GRPO and in DPO-style sampling alike)."""
+    return [float(i % 2) if row % 2 else 0.5 for i, row in enumerate(source_row)]

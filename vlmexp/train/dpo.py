@@ -86,32 +86,17 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
 
 def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
-    import torch
-
     from vlmexp.data.record import read_sampled
-    from vlmexp.evaluate import generate
     from vlmexp.files import atomic_write
-    from vlmexp.modeling import load_for_inference
-    from vlmexp.prompts import build_prompt, load_images
-    from vlmexp.rewards import build_reward
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
     records = read_sampled(inputs.train_path)
-    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
-    model, processor, _ = load_for_inference(cfg, inputs.model_path)
-    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
-    images = [load_images(r.images) for r in records]
     k = opts.num_samples
-    completions = generate(model, processor, [p for p in prompts for _ in range(k)],
-                           [im for im in images for _ in range(k)], opts.max_new_tokens, opts.temperature,
-                           opts.batch_size)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    prompts, groups = sample_and_score(inputs, records, [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards],
+                                       k, opts.temperature, opts.max_new_tokens, opts.batch_size)
     pairs = []
     for i, record in enumerate(records):
-        texts = completions[i * k:(i + 1) * k]
-        scores = score_group(rewards, [r.weight for r in cfg.grpo.rewards], prompts[i], texts, record)
+        texts, scores = groups[i]
         pair = best_vs_worst(texts, scores, opts.min_margin)
         if pair is not None:
             pairs.append({"prompt": prompts[i], "image_paths": record.images, **pair,
@@ -122,6 +107,37 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     atomic_write(path.with_name(SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
     log.info("dpo pairs from samples: %s", summary)
     return summary
+
+
+def sample_and_score(inputs: StageInputs, records: list[SampledRecord], rewards: list[tuple[str, dict, float]],
+                     k: int, temperature: float, max_new_tokens: int, batch_size: int, prefilled_think: bool = False):
+    """(prompts, [(k completions, their weighted reward sums)] per record): the start model's samples for
+    `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them. The sampling
+    model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through here."""
+    import torch
+
+    from vlmexp.evaluate import generate
+    from vlmexp.modeling import load_for_inference
+    from vlmexp.prompts import build_prompt, load_images
+    from vlmexp.rewards import build_reward
+
+    cfg = inputs.cfg
+    built = [build_reward(name, kwargs, inputs.family.box_frame, inputs.budget, prefilled_think)
+             for name, kwargs, _ in rewards]
+    model, processor, _ = load_for_inference(cfg, inputs.model_path)
+    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
+    images = [load_images(r.images) for r in records]
+    completions = generate(model, processor, [p for p in prompts for _ in range(k)],
+                           [im for im in images for _ in range(k)], max_new_tokens, temperature, batch_size)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    weights = [w for _, _, w in rewards]
+    groups = []
+    for i, record in enumerate(records):
+        texts = completions[i * k:(i + 1) * k]
+        groups.append((texts, score_group(built, weights, prompts[i], texts, record)))
+    return prompts, groups
 
 
 def score_group(rewards, weights: list[float], prompt, texts: list[str], record: SampledRecord) -> list[float]:
