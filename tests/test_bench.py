@@ -94,7 +94,7 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
 GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "dpo", "grpo") for mode in ("full", "lora64")
              for ckpt in ("on", "off")}
 GPU_CASES |= {"autoprocessor", "grpo-mixed-sizes-lora64", "gpu_grpo_phases", "deepspeed-zero2-sft",
-              "deepspeed-zero3-sft", "demo"}
+              "deepspeed-zero3-sft", "deepspeed-zero2-sft-lora64", "demo"}
 
 
 def test_gpu_harness_dry_run_plans_every_case(tmp_path):

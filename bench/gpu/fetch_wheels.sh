@@ -4,7 +4,8 @@
 #   bench/gpu/fetch_wheels.sh [EXTRA_NAME ...]      e.g. pyarrow if the box's pyarrow is older than 24
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-py=${PYTHON:-python3}
+# a Python with torch (the project's venv): pip reads DeepSpeed's sdist metadata by running its setup.py, which imports torch
+py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 # Missing on the GPU image (shared/NOTES.md "A GPU machine as seen here") or older there than this project needs.
 names=(transformers tokenizers trl peft datasets dill multiprocess fsspec regex pydantic pydantic_core annotated-types
        typing-inspection typing_extensions math-verify latex2sympy2_extended antlr4-python3-runtime hjson "$@")

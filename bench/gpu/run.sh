@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 Part 2 on a bare GPU box (PyTorch, no network): install the wheels kept in .whl/, run the harness.
+# The GPU harness on a bare GPU box (PyTorch, no network): install the wheels kept in .whl/, run the harness.
 #   bench/gpu/run.sh OUT_DIR [harness options: --only CASE,... --budget-s 540 --tiny --dry-run]
 # Results: OUT_DIR/results.json (rewritten after every case). See bench/gpu/README.md.
 set -euo pipefail

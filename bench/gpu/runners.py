@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeou
         cmd = [sys.executable, str(HERE / "stage.py"), case["stage"], str(config), str(record), *case["overrides"],
                f"run.output_dir={work / 'runs' / name}", "--hide", hide]
     result = run_logged(cmd, log, timeout, env)
+    runs = work / "runs" / name
+    if runs.is_dir():  # the case's saved model (7.5 GB at the 3B shape, full): the record has what it measured
+        shutil.rmtree(runs)
     if result["status"] == "ok":
         result["record"] = json.loads(record.read_text())
     return result

@@ -102,10 +102,11 @@ def instrument_grpo(trainer, recorder: StepRecorder) -> None:
 
 
 def parameter_counts(model) -> dict[str, int]:
-    params = list(model.named_parameters())
-    return {"lm_parameters": sum(p.numel() for n, p in params if "visual" not in n and "lora_" not in n),
-            "vision_parameters": sum(p.numel() for n, p in params if "visual" in n and "lora_" not in n),
-            "trainable_parameters": sum(p.numel() for _, p in params if p.requires_grad)}
+    # under ZeRO-3 a parameter's local tensor is an empty shard; DeepSpeed keeps the full size in ds_numel
+    params = [(n, getattr(p, "ds_numel", p.numel()), p.requires_grad) for n, p in model.named_parameters()]
+    return {"lm_parameters": sum(k for n, k, _ in params if "visual" not in n and "lora_" not in n),
+            "vision_parameters": sum(k for n, k, _ in params if "visual" in n and "lora_" not in n),
+            "trainable_parameters": sum(k for _, k, grad in params if grad)}
 
 
 def main() -> None:
