@@ -39,14 +39,15 @@ def test_the_guards_expected_grid_is_the_processors_for_any_size_and_budget(tiny
     from PIL import Image
 
     from vlmexp.families import detect_family
-    from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.processor import load_processor
     from vlmexp.train.grpo_pairing import expected_grid
 
     sizes = [[64, 64], [333, 217], [84, 140], [1000, 90], [90, 700], [2048, 1536], [29, 57]]
     for min_pixels, max_pixels in ((3136, 102400), (3136, 12845056), (65536, 262144)):
-        proc = load_processor(tiny_models[family], detect_family(tiny_models[family]), min_pixels, max_pixels)
+        fam = detect_family(tiny_models[family])
+        proc = load_processor(tiny_models[family], fam, {"min_pixels": min_pixels, "max_pixels": max_pixels})
         got = proc.image_processor(images=[Image.new("RGB", tuple(s)) for s in sizes], return_tensors="pt")
-        assert expected_grid(sizes, pixel_budget(proc)).tolist() == got["image_grid_thw"].tolist()
+        assert expected_grid(sizes, fam.image_budget(proc)).tolist() == got["image_grid_thw"].tolist()
 
 
 def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_record(tmp_path):

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
+from vlmexp.families import BUDGET_KNOBS, FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact", "detection"]
 TASKS: tuple[str, ...] = ("rec", "math", "exact", "detection")
@@ -157,7 +157,14 @@ class ModelConfig(Section):
             if self.family not in (None, family):
                 raise ValueError(f"family {self.family!r} contradicts path {self.path!r}: remove model.family")
             self.family = family  # type: ignore[assignment]
+        if self.family is not None:  # else checked once the checkpoint's family is read (vlmexp.processor)
+            FAMILIES[self.family].check_budget_knobs(self.image_knobs)
         return self
+
+    @property
+    def image_knobs(self) -> dict[str, int | None]:
+        """The image-budget fields (BUDGET_KNOBS), for `vlmexp.processor.load_processor`."""
+        return {k: getattr(self, k) for k in BUDGET_KNOBS}
 
     @property
     def is_tiny(self) -> bool:

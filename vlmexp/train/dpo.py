@@ -101,7 +101,7 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
     images = [load_images(r) for r in records]
     k = opts.num_samples
-    completions = generate(model, processor, [p for p in prompts for _ in range(k)],
+    completions = generate(model, processor, inputs.family, [p for p in prompts for _ in range(k)],
                            [im for im in images for _ in range(k)], opts.max_new_tokens, opts.temperature,
                            opts.batch_size)
     del model
