@@ -155,7 +155,7 @@ def _budget_problems(family, knobs: dict[str, int]) -> list[tuple[str, object, s
     problems = [(option(k), v, "must be a positive number" if v <= 0 else None if k in family.budget_knobs else
                  f"does not apply to {family.name} ({family.budget_summary}); use "
                  f"{' / '.join(option(b) for b in family.budget_knobs)}") for k, v in knobs.items()]
-    for low, high in (("min_pixels", "max_pixels"),):
+    for low, high in (("min_pixels", "max_pixels"), ("min_patches", "max_patches")):
         if knobs.get(low, 0) > knobs.get(high, float("inf")):
             problems.append((option(low), knobs[low], f"exceeds {option(high)} {knobs[high]}; swap them"))
     return problems
@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Qwen-VL: image processor min_pixels (default: released checkpoints', {RELEASED_PIXELS[0]})")
     p.add_argument("--max-pixels", type=int,
                    help=f"Qwen-VL: image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
+    p.add_argument("--min-patches", type=int, help="InternVL: fewest tiles per image (default: released checkpoints', 1)")
+    p.add_argument("--max-patches", type=int, help="InternVL: most tiles per image (default: released checkpoints', 12)")
     p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
     p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
     p.add_argument("--math-grader", choices=["math_verify", "mathruler"],

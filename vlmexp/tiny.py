@@ -1,9 +1,10 @@
-"""Build the embedded model: a tiny random-weight Qwen-VL of any supported family, offline.
+"""Build the embedded model: a tiny random-weight model of any supported family, offline.
 
 The folder written here is a normal Hugging Face checkpoint (config.json, safetensors, tokenizer,
 chat template, image processor), so every code path that loads a real checkpoint loads this one.
 The tokenizer is a byte-level BPE trained locally on a small corpus of the prompts and answers the
-pipeline uses, with Qwen's pre-tokenizer (every digit its own token) and Qwen's special tokens.
+pipeline uses, with Qwen's pre-tokenizer (every digit its own token) and the family's special tokens; the
+family module (vlmexp/families/) gives the model config, the image processor and the processor.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class TinySpec(TinyModelConfig):
     vision_intermediate_size: int | None = None  # default: 2 x vision_hidden_size
     vision_fullatt_blocks: tuple[int, ...] | None = None  # qwen2_5_vl windowed attention; default: the last block
     mrope_section: tuple[int, int, int] | None = None  # default: split of head_dim / 2 (it must sum to that)
+    tile_size: int | None = None  # internvl: a tile's side; default 112 (16 tokens a tile; released checkpoints: 448)
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -158,7 +160,6 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
         image_processor = fam.tiny_image_processor(spec)
         processor = fam.tiny_processor(image_processor, tokenizer, spec)
         model.save_pretrained(tmp, is_main_process=True)  # whatever rank builds it (under a launcher) writes it
-        processor.save_pretrained(tmp)
-        image_processor.save_pretrained(tmp)  # preprocessor_config.json, as real checkpoints ship
+        processor.save_pretrained(tmp)  # with preprocessor_config.json, as real checkpoints ship
         (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **spec.model_dump()}, indent=2))
     return Path(out_dir)

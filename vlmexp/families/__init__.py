@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Literal
 
 from vlmexp.families.base import BUDGET_KNOBS, BoxFrame, Family
+from vlmexp.families.internvl import INTERNVL
 from vlmexp.families.qwen import QWEN_FAMILIES
 
 __all__ = ["BUDGET_KNOBS", "FAMILIES", "TINY_PREFIX", "BoxFrame", "Family", "FamilyName", "detect_family",
            "get_family"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in QWEN_FAMILIES}
+FAMILIES: dict[str, Family] = {f.name: f for f in (*QWEN_FAMILIES, INTERNVL)}
 
 FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]  # the config's `model.family` values, from FAMILIES
 TINY_PREFIX = "tiny:"
@@ -42,6 +43,9 @@ def detect_family(model_path: str | Path) -> Family:
             f"a hub id, or 'tiny:<family>'"
         )
     model_type = json.loads(config_file.read_text()).get("model_type")
+    hints = [f.refused_model_types[model_type] for f in FAMILIES.values() if model_type in f.refused_model_types]
+    if hints:
+        raise ValueError(f"{config_file}: model_type {model_type!r} is not supported: {hints[0]}")
     if model_type not in FAMILIES:
         raise ValueError(
             f"{config_file}: model_type {model_type!r} is not a supported family; "

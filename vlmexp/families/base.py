@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 BoxFrame = Literal["pixels", "grid1000"]
 # The image-budget fields of `model` (vlmexp.config.ModelConfig); each family reads some of them
-BUDGET_KNOBS = ("min_pixels", "max_pixels")
+BUDGET_KNOBS = ("min_pixels", "max_pixels", "min_patches", "max_patches")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Family:
     projector_module: str  # ... the projector's, between vision tower and language model (freeze_merger); checked first
     # the model.* image-budget fields this family reads (BUDGET_KNOBS); the others are refused for it
     budget_knobs: ClassVar[tuple[str, ...]] = ()
+    # other `model_type`s of this family's models that vlmexp does not load, and what to use instead
+    refused_model_types: ClassVar[dict[str, str]] = {}
 
     # ---- prompts --------------------------------------------------------------------------------------------
     def chat_template(self) -> str:
@@ -56,6 +58,26 @@ class Family:
 
     def image_tokens(self, width: int, height: int, budget) -> int:
         """How many prompt tokens an image of `width` x `height` becomes (the placeholders and their markers)."""
+        raise NotImplementedError
+
+    # ---- what GRPO's batches carry per sample (the pairing guard, vlmexp/train/grpo_pairing.py) -----------
+    layout_name: ClassVar[str] = ""  # what a layout is called in the guard's messages ("grid", "tiles")
+
+    def image_layout(self, image_sizes, budget):
+        """The tensor that describes a sample's images in a training batch, as the processor makes it for images
+        of `image_sizes` ([[w, h], ...]); equal layouts mean the same pixel rows and image tokens."""
+        raise NotImplementedError
+
+    def batch_layouts(self, batch: dict[str, Any], num_images: list[int]):
+        """Each sample's layout in a batch reaching the loss (`image_layout`'s form), or None when it has none."""
+        raise NotImplementedError
+
+    def layout_rows(self, layout) -> int:
+        """Rows of `pixel_values` that a layout takes."""
+        raise NotImplementedError
+
+    def layout_tokens(self, layout, budget) -> int:
+        """`image_token` placeholders a layout puts in the prompt."""
         raise NotImplementedError
 
     # ---- the embedded model (vlmexp.tiny) -------------------------------------------------------------------

@@ -97,6 +97,34 @@ class QwenVLFamily(Family):
         h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
         return (h // budget.patch_size) * (w // budget.patch_size) // budget.merge_size**2
 
+    layout_name: ClassVar[str] = "grid"
+
+    def image_layout(self, image_sizes, budget: PixelBudget):
+        """[n_images, 3] (t, h, w) patch grids (the processor's `image_grid_thw`)."""
+        import torch
+
+        from vlmexp.coords import smart_resize
+
+        rows = []
+        for width, height in image_sizes or []:
+            h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
+            rows.append([1, h // budget.patch_size, w // budget.patch_size])
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    def batch_layouts(self, batch: dict[str, Any], num_images: list[int]):
+        import torch
+
+        grids = batch.get("image_grid_thw")
+        if grids is None:
+            return None
+        return list(torch.split(grids.cpu(), num_images)) if sum(num_images) == len(grids) else [grids.cpu()]
+
+    def layout_rows(self, layout) -> int:
+        return int(layout.prod(-1).sum())
+
+    def layout_tokens(self, layout, budget: PixelBudget) -> int:
+        return self.layout_rows(layout) // budget.merge_size**2
+
     def tiny_image_processor(self, spec):
         import transformers
 
@@ -162,7 +190,9 @@ def _images_only_class(processor_class: str) -> type:
 
 def saved_as(processor_class: str, base: type) -> dict[str, Any]:
     """`to_dict` and `save_pretrained` for an images-only subclass of `base`: the folder it writes names
-    `processor_class` (processor_config.json and tokenizer_config.json), so AutoProcessor loads it."""
+    `processor_class` (processor_config.json and tokenizer_config.json), so AutoProcessor loads it, and holds the
+    image processor's own preprocessor_config.json too, as released checkpoints do (where torchvision exists,
+    AutoProcessor also builds the video processor, from that file when the folder has no video config)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = base.to_dict(self)
@@ -173,6 +203,7 @@ def saved_as(processor_class: str, base: type) -> dict[str, Any]:
         result = base.save_pretrained(self, save_directory, **kwargs)
         self.tokenizer._set_processor_class(processor_class)
         self.tokenizer.save_pretrained(save_directory)  # tokenizer_config.json names the real class too
+        self.image_processor.save_pretrained(save_directory)
         return result
 
     return {"to_dict": to_dict, "save_pretrained": save_pretrained}

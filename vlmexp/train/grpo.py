@@ -42,7 +42,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
-                                 callbacks=list(callbacks), pixel_budget=inputs.budget)
+                                 callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table))
     return trainer, inputs, len(train_dataset)
 
