@@ -58,7 +58,7 @@ from trl import GRPOTrainer
 
 from vlmexp.families import Family
 
-# per-sample (record label, expected image layout, pixel checksum) that travels with the generation batch
+# per-sample (record label, images, expected image layout, pixel checksum) that travels with the generation batch
 # through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
 EXPECTED = "vlmexp_expected_images"
 
@@ -86,21 +86,23 @@ def pixel_checksums(pixel_values: torch.Tensor, rows_per_sample: list[int]) -> l
 
 def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id: int, step: int) -> None:
     """Raise PairingError unless each sample of the micro-batch carries its own record's images."""
-    labels, expected, checksums = zip(*batch[EXPECTED], strict=True)
+    labels, images, expected, checksums = zip(*batch[EXPECTED], strict=True)
     want_rows = [family.layout_rows(e) for e in expected]
-    if not sum(want_rows):
+    if not sum(images):
         return
     pixels, num_images = batch.get("pixel_values"), [int(n) for n in batch.get("num_images") or []]
     got = family.batch_layouts(batch, num_images) if pixels is not None and num_images else None
     if got is None:
         raise PairingError(
-            f"GRPO step {step}: the records of this batch have {sum(want_rows)} image row(s) but the batch reaching "
+            f"GRPO step {step}: the records of this batch have {sum(images)} image(s) but the batch reaching "
             "the loss has none: TRL dropped the images of the whole batch (GRPOTrainer's 'Drop all images' "
             "fallback when some sample's image-token count does not match its grids, e.g. truncated) and would "
             "train on the text alone; stopped before the update. Raise max_completion_length or remove the "
             "cause of the truncation")
     problems = []
-    if len(got) != len(expected):
+    if num_images != list(images):
+        problems.append(f"images per sample {num_images}, records have {list(images)}")
+    elif len(got) != len(expected):
         problems.append(f"{len(got)} samples' images, {len(expected)} records")
     else:
         problems += [f"sample {i} ({labels[i]}): {family.layout_name} {g.tolist()}, its record's {e.tolist()}"
@@ -155,7 +157,7 @@ class GuardedGRPOTrainer(GRPOTrainer):
             pixels = output.get("pixel_values")
             sums = (pixel_checksums(pixels, rows) if pixels is not None and pixels.size(0) == sum(rows)
                     else [0.0] * len(inputs))
-            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", layout, s)
+            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", len(x["image_sizes"] or []), layout, s)
                                 for x, layout, s in zip(inputs, layouts, sums, strict=True)]
             self.guard_seconds += time.perf_counter() - start
         return output
