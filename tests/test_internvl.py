@@ -89,8 +89,15 @@ def test_each_family_reads_its_own_image_budget_and_refuses_the_other(tmp_path, 
     assert needle in "\n".join(str(p) for p in e.value.problems)
 
 
-def test_a_folders_family_refuses_the_other_budget_when_its_processor_loads(tiny_models):
+def test_a_folders_family_refuses_the_other_budget_at_validation_and_when_its_processor_loads(tiny_models, tmp_path):
     from vlmexp.processor import load_processor
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {tiny_models['internvl']}, max_pixels: 102400}}\ndata:\n  demo: {{train: 4, val: 2}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, check_paths=True)
+    assert "model.max_pixels do(es) not apply to internvl" in "\n".join(str(p) for p in e.value.problems)
+    assert load_config(path, ["model.max_pixels=null", "model.max_patches=4"], check_paths=True).model.max_patches == 4
 
     with pytest.raises(ValueError, match=r"model.max_pixels do\(es\) not apply to internvl.*remove model.max_pixels"):
         load_processor(tiny_models["internvl"], INTERNVL, {"min_pixels": None, "max_pixels": 102400})

@@ -57,7 +57,8 @@ class Family:
         raise NotImplementedError
 
     def image_tokens(self, width: int, height: int, budget) -> int:
-        """How many prompt tokens an image of `width` x `height` becomes (the placeholders and their markers)."""
+        """How many `image_token` placeholders an image of `width` x `height` becomes (the start/end markers
+        around them not counted)."""
         raise NotImplementedError
 
     # ---- what GRPO's batches carry per sample (the pairing guard, vlmexp/train/grpo_pairing.py) -----------
