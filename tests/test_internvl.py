@@ -234,3 +234,20 @@ def test_sft_dpo_grpo_each_train_then_evaluation_and_export_load_in_plain_transf
     assert inputs["pixel_values"].shape[0] == 4  # 3 tiles and the thumbnail
     generated = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 5
+
+
+def test_the_demo_figures_claimed_for_internvl_are_the_recorded_cells():
+    """README and bench/RESULTS.md quote bench/results/demo_matrix_internvl: base < SFT < GRPO in every cell, two
+    seeds at least, GRPO ahead by 3 paired standard errors or more."""
+    cells = [json.loads(p.read_text()) for p in sorted((REPO / "bench/results/demo_matrix_internvl").glob("*.json"))]
+    assert len({c["seed"] for c in cells}) >= 2 and all(c["config"] == "configs/demo_internvl.yaml" for c in cells)
+    readme, results = (REPO / "README.md").read_text(), (REPO / "bench/RESULTS.md").read_text()
+    for cell in cells:
+        iou = {k: v["rec_mean_iou"] for k, v in cell["metrics"].items()}
+        gain = cell["gains_over_sft"]["grpo"]
+        assert iou["base"] < iou["sft"] < iou["grpo"] and gain["gain"] >= 3 * gain["se"], cell["seed"]
+        row = (f"| {cell['seed']} | {cell['arithmetic']} | {iou['base']:.3f} | {iou['sft']:.3f} | {iou['grpo']:.3f} | "
+               f"{gain['gain']:+.3f} ({gain['se']:.3f}) |")
+        assert row in results, row
+        claim = f"base 0 / SFT {iou['sft']:.3f} / GRPO {iou['grpo']:.3f} (seed {cell['seed']})"
+        assert claim in " ".join(readme.split()), claim
