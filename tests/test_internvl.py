@@ -249,5 +249,6 @@ def test_the_demo_figures_claimed_for_internvl_are_the_recorded_cells():
         row = (f"| {cell['seed']} | {cell['arithmetic']} | {iou['base']:.3f} | {iou['sft']:.3f} | {iou['grpo']:.3f} | "
                f"{gain['gain']:+.3f} ({gain['se']:.3f}) |")
         assert row in results, row
-        claim = f"base 0 / SFT {iou['sft']:.3f} / GRPO {iou['grpo']:.3f} (seed {cell['seed']})"
-        assert claim in " ".join(readme.split()), claim
+        if cell["arithmetic"] == "avx512":  # the README quotes the machine's own arithmetic
+            claim = f"base 0 / SFT {iou['sft']:.3f} / GRPO {iou['grpo']:.3f} (seed {cell['seed']})"
+            assert claim in " ".join(readme.split()), claim
