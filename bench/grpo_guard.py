@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_guard.json"))
     args = parser.parse_args()
     from vlmexp.config_loader import load_config
-    from vlmexp.files import read_jsonl
+    from vlmexp.data.record import read_sampled
     from vlmexp.train.grpo import build_grpo_trainer
 
     overrides = [*MIXED, *STEP, f"grpo.args.gradient_accumulation_steps={args.prompts_per_step}",
@@ -44,8 +44,8 @@ def main() -> None:
         cfg = load_config(REPO / "configs" / "demo.yaml", [f"run.output_dir={tmp}", "tracking.backend=none",
                                                            *overrides])
         trainer, inputs, _ = build_grpo_trainer(cfg)
-        grids = {tuple(inputs.family.image_layout(r["image_sizes"], inputs.budget).flatten().tolist())
-                 for r in read_jsonl(inputs.train_path)}
+        grids = {tuple(inputs.family.image_layout(r.image_sizes, inputs.budget).flatten().tolist())
+                 for r in read_sampled(inputs.train_path)}
         per_step = []
         trainer.add_callback(_GuardPerStep(trainer, per_step))
         trainer.train()

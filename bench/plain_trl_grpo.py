@@ -38,14 +38,14 @@ def build(model_path: str, train: str, out: str, args: dict, template: str):
     from transformers import AutoModelForImageTextToText
     from trl import GRPOConfig, GRPOTrainer
 
+    from vlmexp.data.record import read_sampled
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
 
     rows = []
-    for line in Path(train).read_text().splitlines():
-        r = json.loads(line)
-        rows.append({"prompt": [{"role": "user", "content": template.format(problem=r["problem"])}],
-                     "images": [Image.open(r["image_paths"][0]).convert("RGB")], "solution": r["solution"]})
+    for r in read_sampled(train):
+        rows.append({"prompt": [{"role": "user", "content": template.format(problem=r.problem)}],
+                     "images": [Image.open(r.images[0]).convert("RGB")], "solution": r.solution})
     processor = load_processor(model_path, get_family("qwen2_5_vl"), {"min_pixels": 3136, "max_pixels": 102400})
     model = AutoModelForImageTextToText.from_pretrained(model_path, dtype="float32", attn_implementation="sdpa")
     config = GRPOConfig(output_dir=out, **{"bf16": False, **args})  # float32, as the demo config trains

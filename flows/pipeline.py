@@ -81,13 +81,15 @@ def _pipeline(config: str, overrides: list[str] | None, force: bool, started: di
     if cfg.eval.enabled and data.val:
         run.evaluations = [_cached(evaluate_model, name=name, model=path, records=data.val, **tracked,
                                    key=stage_key(cfg, "eval", data.hash, f"{name}:{upstream}:{path}"))
-                           for name, path, upstream in run.candidates()]
+                           for name, path, upstream in run.candidates(cfg.export.checkpoint)]
         run.evaluation = log_evaluation(data.resolved, run.evaluations, run.mlflow_run_id)
 
     if cfg.export.enabled and run.trained:
         export_key = stage_key(cfg, "export", data.hash, run.upstream_key)
-        run.export = _cached(export_model, key=export_key, model=run.model, provenance=run.provenance(), **tracked)
+        chosen = cfg.export.checkpoint  # last: the final model; best: the best validation's checkpoint
+        run.export = _cached(export_model, key=export_key, model=run.exported(chosen)[0],
+                             provenance=run.provenance(chosen), **tracked)
         if cfg.tracking.backend != "none":
             run.promotion = register_model(data.resolved, export_key, run.export, run.mlflow_run_id,
-                                           run.metric(cfg.export.metric))
+                                           run.metrics(chosen))
     return summarise(run)

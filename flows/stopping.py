@@ -35,8 +35,12 @@ def cancel_child_runs(flow_run_id: str) -> list[str]:
 
 def on_stopped(flow, flow_run, state) -> None:
     """The pipeline flow's on_cancellation / on_crashed / on_failure hook: a pipeline run that ends without
-    finishing leaves no stage run of its own running."""
+    finishing leaves no stage run of its own running, and a failed or crashed one emits its Prefect event
+    (`tasks/events.py`) for the automations that notify."""
+    from tasks.events import emit_pipeline_ended
+
     cancel_child_runs(str(flow_run.id))
+    emit_pipeline_ended(flow_run, state)
 
 
 def mark_killed(resolved: str | None, run_ids: list[str]) -> None:

@@ -65,7 +65,9 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
                 if client.get(f"{url}/health").status_code == 200:
                     return
             time.sleep(0.1)
-    raise RuntimeError(f"Prefect's temporary server at {url} did not answer within {timeout:.0f} s")
+    raise RuntimeError(f"Prefect's temporary server at {url} did not answer within {timeout:.0f} s (a busy or slow "
+                       f"machine); raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start a server with "
+                       f"`prefect server start` and set PREFECT_API_URL")
 
 
 def _stop(server: subprocess.Popen) -> None:

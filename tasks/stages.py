@@ -2,7 +2,7 @@
 typed records of `vlmexp.results`.
 
 Training, evaluation and export are cached by a key of what they depend on (`vlmexp.pipeline.keys.stage_key`:
-the resolved config's relevant sections, the data manifest hash, the upstream stage's key), so
+the resolved config's relevant sections, the sampled data's content digest, the upstream stage's key), so
 re-running the flow with the same config and data skips them; `force` recomputes.
 """
 
@@ -56,9 +56,10 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 
 @task(name="sample-data", cache_policy=NO_CACHE, retry_condition_fn=retry_unless_bad_input)
 def sample_data(pending: str) -> SampledData:
-    """Sample the data sources afresh (seeded): train/val JSONL files and the manifest hash. Only then is
+    """Sample the data sources afresh (seeded): train/val JSONL files and their content digest. Only then is
     the pending resolved config committed as config.resolved.yaml (bad data leaves the folder as it was)."""
     from vlmexp.data.run_data import prepare_data
+    from vlmexp.data.sampling import explain_manifest
     from vlmexp.modeling import resolve_model
     from vlmexp.pipeline.keys import commit_resolved, load_resolved
     from vlmexp.prompts import check_sft_targets
@@ -69,9 +70,13 @@ def sample_data(pending: str) -> SampledData:
     if cfg.sft.enabled:
         check_sft_targets(data.train, cfg.sft.target_template)  # before any stage starts
     resolved = commit_resolved(pending)
-    get_run_logger().info("data: %s (manifest %s)", data.train, data.manifest_sha256[:12])
+    log = get_run_logger()
+    log.info("data: %s (content %s)", data.train, data.content_sha256[:12])
+    for path in [p for p in (data.train, data.val) if p is not None]:
+        for line in explain_manifest(path.with_name(path.stem + ".manifest.json")):
+            log.info("%s data: %s", path.stem, line)  # which format each source was read as, and why
     return SampledData(resolved=str(resolved), train=str(data.train), val=str(data.val) if data.val else None,
-                       hash=data.manifest_sha256, base_model=model_path)
+                       hash=data.content_sha256, base_model=model_path)
 
 
 @task(name="start-tracking", cache_policy=NO_CACHE)
@@ -86,7 +91,7 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline(
         f"{cfg.run.name}-pipeline", flatten(redact(cfg.model_dump(mode="json")), "config."),
-        run_tags({"prefect.flow_run_id": flow_run_id, "data.manifest_sha256": data_hash}))
+        run_tags({"prefect.flow_run_id": flow_run_id, "data.content_sha256": data_hash}))
     tracker.log_text(parent, redacted_yaml(resolved), Path(resolved).name)  # secrets in the config stay out
     for manifest in sorted(Path(cfg.run.output_dir, "data").glob("*.manifest.json")):
         tracker.log_artifact(parent, manifest, "data")
@@ -152,6 +157,7 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     the comparison as a Prefect table artifact too."""
     from prefect.artifacts import create_table_artifact
 
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.report import log_evaluation_run
     from vlmexp.pipeline.tracker import make_tracker
@@ -159,7 +165,8 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
-    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table)
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"),
+                       cfg.export.metric)
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -184,18 +191,31 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 
 
 @task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
-def register_model(resolved: str, key: str, folder: str, parent_run_id: str, value: float | None) -> Promotion:
-    """Register the exported folder in the MLflow Model Registry; move `champion` only to a better model."""
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str, metrics: dict[str, float]) -> Promotion:
+    """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the model
+    it holds) in the MLflow Model Registry; move `champion` only to a better model."""
+    import json
+
+    from vlmexp.data.run_data import sampled_manifests
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.registration import plan_registration
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
-    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric, value,
-                                     cfg.export.direction)
+    # by copy or by reference, as the export's manifest says (an export written before it said: planned now)
+    plan = json.loads((Path(folder) / "manifest.json").read_text()).get("registration")
+    promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric,
+                                     metrics.get(cfg.export.metric), cfg.export.direction,
+                                     registration=plan or plan_registration(cfg.export, folder), metrics=metrics,
+                                     dataset=sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
+    if promotion.promoted:  # the event the "new champion" automation notifies on (flows/automations.py)
+        from tasks.events import emit_promoted
+
+        emit_promoted(promotion, str(flow_run.id or ""))
     return promotion
 
 
@@ -205,6 +225,7 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     from prefect.artifacts import create_markdown_artifact
 
     from vlmexp.pipeline.keys import load_resolved
+    from vlmexp.pipeline.report import log_headline
     from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.summary import render_summary, summary_tags
 
@@ -214,5 +235,6 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
     create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
     tracker.log_text(run.mlflow_run_id, text, "summary.md")
     tracker.set_tags(run.mlflow_run_id, summary_tags(run))
+    log_headline(tracker, run, cfg.export.metric)
     tracker.end(run.mlflow_run_id, status)
     return run.model_copy(update={"summary": text})

@@ -43,12 +43,18 @@ def record_check(prompts, completions, source_row, image_sizes, solution, **kwar
         record = record_check.records[row]
         images = [p["image"] for m in prompt if isinstance(m["content"], list) for p in m["content"]
                   if p["type"] == "image"]
-        with Image.open(record["image_paths"][0]) as im:
+        with Image.open(record.images[0]) as im:
             own = np.asarray(im.convert("RGB"))
-        ok = (len(images) == 1 and np.array_equal(np.asarray(images[0]), own) and sizes == record["image_sizes"]
-              and record["problem"] in prompt[-1]["content"][-1]["text"] and json.loads(sol) == record["solution"])
+        ok = (len(images) == 1 and np.array_equal(np.asarray(images[0]), own) and sizes == record.image_sizes
+              and record.problem in prompt[-1]["content"][-1]["text"] and json.loads(sol) == record.solution)
         if not ok:
             record_check.mismatches.append(row)
         scores.append(float(ok))
     record_check.seen += len(scores)
     return scores
+
+
+def odd_rows_vary(prompts, completions, source_row, **kwargs):
+    """No signal for records of even `source_row` (0.5 for every completion), a sure one for odd rows: 0, 1, 0, 1
+    along the call (a group's completions are consecutive, in GRPO and in DPO-style sampling alike)."""
+    return [float(i % 2) if row % 2 else 0.5 for i, row in enumerate(source_row)]

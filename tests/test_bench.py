@@ -203,3 +203,23 @@ def test_readme_demo_table_is_the_recorded_matrix():
         if (d := c["gains_over_sft"].get("dpo")) is not None:
             assert d["gain"] >= 2 * d["se"], (c["seed"], c["arithmetic"], "dpo", d)
         assert c["metrics"]["grpo"]["rec_acc50"] >= c["metrics"]["sft"]["rec_acc50"]
+
+
+@pytest.mark.slow
+def test_rl_loop_bench_records_validation_cost_and_the_filter(tmp_path):
+    small = ["data.demo.train=8", "data.demo.val=4", "sft.args.max_steps=2", "sft.args.per_device_train_batch_size=4",
+             "grpo.args.max_steps=2", "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
+             "grpo.args.logging_steps=1", "grpo.args.max_completion_length=8", "grpo.difficulty_filter.num_samples=2",
+             "grpo.rewards=[{name: 'rewards_for_tests:odd_rows_vary'}]", "eval.max_new_tokens=8",
+             "eval.during_training_samples=2"]
+    r = subprocess.run([sys.executable, "bench/rl_loop.py", "--seeds", "3", "--arms", "plain", "filtered", "--every", "1",
+                        "--out-dir", str(tmp_path),
+                        "--work", str(tmp_path), *small], check=False, capture_output=True, text=True, cwd=REPO,
+                       timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "seed3.json").read_text())
+    assert record["stages"]["sft"]["validations"] == 2 and record["stages"]["plain"]["validations"] == 2
+    assert 0 < record["stages"]["plain"]["validation_share"] < 1
+    assert record["stages"]["filtered"]["difficulty_filter"]["kept"] == 4  # the odd rows of 8
+    assert set(record["gains_over_sft"]) == {"plain", "filtered"} and "per_grpo_second" in record["gains_over_sft"]["plain"]
+    assert not list(tmp_path.glob("rl_loop-seed3-*"))  # the seed's folder is removed without --keep

@@ -87,3 +87,19 @@ def test_run_bad_config_exits_2_before_writing(tmp_path):
     assert r.returncode == 2 and "grpo.args.beta" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr  # Prefect logs the failed task without its traceback
     assert not (tmp_path / "o").exists()
+
+
+def test_prefect_setup_refuses_without_a_server_and_below_prefects_heartbeat(tmp_path):
+    """Automations on a temporary server would vanish with it; a window under Prefect's 30 s heartbeat would crash
+    healthy runs: both refused with exit 2 and the fix, before any server is asked."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    none = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup"], capture_output=True, text=True,
+                          cwd=REPO, env={**env, "PREFECT_HOME": str(tmp_path)}, check=False)
+    assert none.returncode == 2 and "PREFECT_API_URL is not set" in none.stderr and "export PREFECT_API_URL=" in none.stderr
+    short = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup", "--heartbeat-seconds", "10"],
+                           capture_output=True, text=True, cwd=REPO, check=False,
+                           env={**env, "PREFECT_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert short.returncode == 2 and "--heartbeat-seconds 10: Prefect sends flow-run heartbeats at most every 30 s" \
+        in short.stderr

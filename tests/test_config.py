@@ -17,7 +17,8 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 def test_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"demo.yaml", "qwen2_5_vl_3b_rec.yaml", "geometry3k_math.yaml"} <= names
+    assert {"demo.yaml", "qwen2_5_vl_3b_rec.yaml", "geometry3k_math.yaml", "demo_internvl.yaml",
+            "internvl3_2b_rec.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -180,11 +181,11 @@ def test_names_are_checked_with_the_schema_problems_at_once(tmp_path):
     """Names the schema leaves to the check phase (rewards, strategies, columns) are reported together with
     the schema's own problems, each at its line."""
     p = _write(tmp_path, "model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n"
-                         "    - {json_path: a.json, sampling_strategy: 'middle:3', columns: {question: q}}\n"
+                         "    - {json_path: a.json, sampling_strategy: 'middle:3', columns: {query: q}}\n"
                          "eval:\n  batch_size: 0\ngrpo:\n  rewards: [{name: fromat}]\n")
     joined = "\n".join(_problems(p))
     assert f"{p}:5: data.datasets.0.sampling_strategy = 'middle:3': unknown sampling strategy" in joined
-    assert f"{p}:5: data.datasets.0.columns" in joined and "unknown field(s) ['question']" in joined
+    assert f"{p}:5: data.datasets.0.columns" in joined and "unknown field(s) ['query']" in joined
     assert f"{p}:7: eval.batch_size = 0" in joined
     assert f"{p}:9: grpo.rewards.0.name = 'fromat': unknown reward 'fromat'" in joined
 
@@ -242,3 +243,24 @@ def test_every_config_field_has_a_description():
     missing = [f"{name}.{key}".lstrip(".") for name, model in config_sections()
                for key, field in model.model_fields.items() if not (field.description or "").strip()]
     assert not missing, f"config fields without a description (add Field(description=...)): {missing}"
+
+
+def test_system_metrics_on_a_gpu_without_nvidia_ml_py_are_refused_with_the_fix(monkeypatch):
+    """A stage on a CUDA GPU without nvidia-ml-py stops before training (MLflow alone would log no GPU use and
+    say so only at info level). No GPU here: torch is made to report one, and pynvml to be missing."""
+    import importlib.util
+
+    import torch
+
+    from vlmexp.train.mlflow_run import start_system_metrics
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pynvml" else find_spec(name, *a))
+    cfg = load_config(REPO / "configs/demo.yaml", [], check_paths=False)
+    with pytest.raises(ConfigError, match=r"tracking\.system_metrics = True: a CUDA GPU is here but nvidia-ml-py is not "
+                                          r"installed.*pip install nvidia-ml-py.*tracking\.system_metrics: false"):
+        start_system_metrics(cfg)
+    off = load_config(REPO / "configs/demo.yaml", ["tracking.system_metrics=false"], check_paths=False)
+    assert start_system_metrics(off) is False

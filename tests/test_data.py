@@ -13,6 +13,7 @@ from conftest import VARIED_SCENES, make_png, write_json, write_jsonl
 
 from vlmexp.config import DataSource
 from vlmexp.data.demo import demo_folder_name
+from vlmexp.data.record import read_sampled
 from vlmexp.data.sampling import sample_sources
 from vlmexp.data.sources import load_data_yaml
 from vlmexp.errors import DataError
@@ -33,7 +34,7 @@ def _sample(tmp_path, sources, seed=0):
 
 
 def _read(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return read_sampled(path)
 
 
 def test_rec_format_variants(tmp_path, imgs):
@@ -44,10 +45,13 @@ def test_rec_format_variants(tmp_path, imgs):
     ])
     res = _sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))])
     rows = _read(res.path)
-    assert [r["task"] for r in rows] == ["rec"] * 3
-    assert rows[0]["image_paths"] == [str(imgs / "a.png")] and rows[0]["image_sizes"] == [[64, 48]]
-    assert rows[2]["extra"] == 1 and rows[1]["solution"] == "[5, 6, 70, 50]"  # source fields kept as they are
-    assert rows[0]["source"] == str(src) and rows[0]["record_format"] == "rec"
+    assert [r.task for r in rows] == ["rec"] * 3 and [r.method for r in rows] == ["iou"] * 3
+    assert rows[0].images == [str(imgs / "a.png")] and rows[0].image_sizes == [[64, 48]]
+    assert rows[0].image_refs == ["a.png"] and rows[0].id is None and rows[0].target is None
+    assert [r.solution for r in rows] == [[1, 2, 30, 40], [5, 6, 70, 50], [0, 0, 10, 10]]  # every spelling: a box
+    assert rows[0].source == str(src) and rows[0].record_format == "rec" and rows[2].source_row == 2
+    line = json.loads(res.path.read_text().splitlines()[2])
+    assert "extra" not in line and line["schema"] == 2  # the source's other fields are not carried
 
 
 def test_conversations_format_multi_image(tmp_path, imgs):
@@ -58,8 +62,9 @@ def test_conversations_format_multi_image(tmp_path, imgs):
             {"from": "human", "value": "<image>2+2?"}, {"from": "gpt", "value": "4"}]},
     ])
     rows = _read(_sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))]).path)
-    assert len(rows[0]["image_paths"]) == 2 and rows[0]["task"] == "exact"
-    assert rows[1]["task"] == "math"
+    assert len(rows[0].images) == 2 and rows[0].task == "exact" and rows[0].problem == "Which is red? A or B"
+    assert rows[0].solution == rows[0].target == "A" and rows[0].id == "1"
+    assert rows[1].task == "math" and rows[1].method == "math"
 
 
 def test_easyr1_format_parquet_and_relative_paths(tmp_path):
@@ -72,8 +77,8 @@ def test_easyr1_format_parquet_and_relative_paths(tmp_path):
     res = _sample(tmp_path, [DataSource(json_path=str(tmp_path / "geo" / "train.parquet"),
                                         sampling_strategy="first:50%")])
     rows = _read(res.path)
-    assert len(rows) == 2 and rows[0]["task"] == "math"
-    assert rows[0]["image_paths"] == [str((tmp_path / "geo" / "images" / "1.png").resolve())]
+    assert len(rows) == 2 and rows[0].task == "math" and rows[0].problem == "Find x." and rows[0].target is None
+    assert rows[0].images == [str((tmp_path / "geo" / "images" / "1.png").resolve())]
 
 
 def test_data_yaml_mixture_manifest_and_seed(tmp_path, imgs):
@@ -95,7 +100,7 @@ def test_data_yaml_mixture_manifest_and_seed(tmp_path, imgs):
     assert all(len(s["sha256"]) == 64 for s in manifest["sources"])
     again = sample_sources(sources, tmp_path / "o2.jsonl", seed=3)
     other = sample_sources(sources, tmp_path / "o3.jsonl", seed=4)
-    problems = lambda r: [x["problem"] for x in _read(r.path)]  # noqa: E731
+    problems = lambda r: [x.problem for x in _read(r.path)]  # noqa: E731
     assert problems(res) == problems(again) and problems(res) != problems(other)
     assert problems(res)[-6:] == [f"q{i}" for i in range(24, 30)]
 
@@ -221,10 +226,10 @@ def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
                                                    "data.demo.val=2", "data.demo.width=[112,112]",
                                                    "data.demo.height=[96,96]", "data.demo.objects=[1,1]",
                                                    "data.demo.background=gradient"])
-    rows = [json.loads(line) for line in prepare_data(cfg).train.read_text().splitlines()]
-    assert len(rows) == 6 and all(r["image_sizes"] == [[112, 96]] for r in rows)
-    image = Image.open(rows[0]["image_paths"][0]).convert("RGB")
-    x1, y1, x2, y2 = rows[0]["solution"]
+    rows = read_sampled(prepare_data(cfg).train)
+    assert len(rows) == 6 and all(r.image_sizes == [[112, 96]] for r in rows)
+    image = Image.open(rows[0].images[0]).convert("RGB")
+    x1, y1, x2, y2 = map(int, rows[0].solution)
     # one shape; outside it the red shade rises with x and the green with y
     corners = [image.getpixel(p) for p in ((0, 0), (111, 0), (0, 95))]
     assert corners[1][0] > corners[0][0] + 90 and corners[2][1] > corners[0][1] + 90
@@ -267,13 +272,103 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
 
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'run'}", "data.demo.train=6",
                                                    "data.demo.val=2"])
-    record = json.loads(prepare_data(cfg).train.read_text().splitlines()[0])
+    record = read_sampled(prepare_data(cfg).train)[0]
     budget = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=102400)
     text = target_text(record, get_family("qwen2_5_vl"), budget)  # 112 x 112 stays 112 x 112: the frame is pixels
-    assert record["demonstration"] != record["solution"] and text.endswith(f"<answer>{record['demonstration']}</answer>")
+    shown = [int(v) for v in record.demonstration]
+    assert record.demonstration != record.solution and text.endswith(f"<answer>{shown}</answer>")
     with pytest.raises(ValueError, match="annotator jitter and loose"):
         Annotator(jitter=1.5)
     from vlmexp.data.formats import parse_record
 
     with pytest.raises(ValueError, match="demonstration 'near the top' holds no box"):
         parse_record({**noisy[0], "demonstration": "near the top"}, "rec", None)
+
+
+def test_sampled_file_of_the_old_layout_is_refused_naming_file_and_fix(tmp_path, imgs):
+    """A file sampled before records had a schema (the source's raw fields plus record_format and image_paths)
+    is refused by the one reader every stage uses, naming the file and the fix; `vlmexp eval --records` too."""
+    from vlmexp.evaluate import check_sampled_records
+
+    old = write_jsonl(tmp_path / "train.jsonl", [{
+        "image": "a.png", "problem": "p", "solution": [1, 2, 30, 40], "record_format": "rec", "task": "rec",
+        "image_paths": [str(imgs / "a.png")], "image_sizes": [[64, 48]], "source": "x.json", "source_row": 0}])
+    for read in (read_sampled, check_sampled_records):
+        with pytest.raises(DataError) as e:
+            read(old)
+        assert f"{old}:1" in str(e.value) and "run `vlmexp sample` again" in str(e.value)
+    src = write_json(tmp_path / "rec.json", [{"image": "a.png", "problem": "p", "solution": [1, 2, 30, 40]}])
+    good = _sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))]).path
+    line = json.loads(good.read_text())
+    write_jsonl(tmp_path / "edited.jsonl", [{**line, "solution_text": "x"}])
+    with pytest.raises(DataError, match=r"unknown fields \['solution_text'\]"):
+        read_sampled(tmp_path / "edited.jsonl")
+
+
+def test_reward_columns_and_content_digest_are_one_function(tmp_path, imgs):
+    """GRPO's dataset, DPO's sample scoring and evaluation all take `reward_columns`; the manifest's digest
+    leaves absolute paths out, so the same data sampled in two folders has one digest."""
+    from vlmexp.data.record import columns_of, content_sha256, reward_columns
+
+    src = write_json(tmp_path / "rec.json", [{"image": "a.png", "problem": "p", "solution": "[1, 2, 30, 40]"}])
+    res = _sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))])
+    [record] = _read(res.path)
+    assert reward_columns(record) == {"solution": "[1.0, 2.0, 30.0, 40.0]", "task": "rec", "accu_reward_method": "iou",
+                                      "image_sizes": [[64, 48]], "source_row": 0, "image_path": str(imgs / "a.png")}
+    assert columns_of([record, record])["solution"] == ["[1.0, 2.0, 30.0, 40.0]"] * 2
+    manifest = json.loads(res.manifest_path.read_text())
+    assert manifest["content_sha256"] == content_sha256([record]) == res.content_sha256
+    moved = tmp_path / "moved"
+    (imgs).rename(moved)
+    again = sample_sources([DataSource(json_path=str(src), image_root=str(moved))], tmp_path / "b" / "s.jsonl", 0)
+    assert again.content_sha256 == res.content_sha256 and _read(again.path)[0].images != record.images
+
+
+def test_detection_boxes_are_checked_inside_the_image(tmp_path, imgs):
+    def detection(boxes):
+        objects = ", ".join(f'{{"bbox_2d": {b}, "label": "cat"}}' for b in boxes)
+        return {"image": "a.png", "accu_reward_method": "od_ap", "conversations": [
+            {"from": "human", "value": "<image>Find the cats."},
+            {"from": "gpt", "value": f"<answer>```json [{objects}]```</answer>"}]}
+
+    msg = _bad(tmp_path, [detection([[1, 2, 30, 40]]), detection([[1, 2, 30, 40], [10, 10, 70, 20]]),
+                          detection([[5, 5, 2, 9]])], image_root=str(imgs))
+    assert "bad.jsonl:2: solution: box [10.0, 10.0, 70.0, 20.0] lies outside the 64x48 image" in msg
+    assert "(object 'cat')" in msg and "bad.jsonl:3" in msg and "inverted or empty" in msg
+    assert "bad.jsonl:1" not in msg
+
+
+def test_a_stage_process_samples_again_when_the_sampled_layout_changed(tmp_path, monkeypatch):
+    """A stage process reuses the run's sampled files only when they were sampled for the same request, and the
+    sampled-record schema is part of the request: files of an older layout are sampled again, not read."""
+    from vlmexp.config_loader import load_config
+    from vlmexp.data import run_data
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=4",
+                                                   "data.demo.val=2"])
+    first = run_data.prepare_data(cfg)
+    stamp = first.train.stat().st_mtime_ns
+    assert run_data.prepare_data(cfg, reuse=True).train.stat().st_mtime_ns == stamp  # same request: reused
+    monkeypatch.setattr(run_data, "SCHEMA_VERSION", run_data.SCHEMA_VERSION + 1)
+    again = run_data.prepare_data(cfg, reuse=True)
+    assert again.train.stat().st_mtime_ns != stamp and again.content_sha256 == first.content_sha256
+
+
+def test_prompts_carry_the_history_and_images_open_the_first_user_turn():
+    from vlmexp.config import DataConfig
+    from vlmexp.data.record import SampledRecord
+    from vlmexp.evaluate import with_image_parts
+    from vlmexp.families import get_family
+    from vlmexp.prompts import build_prompt
+
+    record = SampledRecord(task="exact", method="default", problem="And now?", solution="b", images=["x.png"],
+                           image_sizes=[[8, 8]], image_refs=["x.png"], source="s", source_id="", source_row=0,
+                           record_format="messages", system="Be brief.",
+                           history=[{"role": "user", "content": "First?"}, {"role": "assistant", "content": "a"}])
+    data = DataConfig(datasets=[DataSource(json_path="s")], system_prompt="ignored: the record has its own",
+                      prompt_templates={"exact": "Q: {problem}"})
+    prompt = build_prompt(record, data, get_family("qwen2_5_vl"))
+    assert prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First?"},
+                      {"role": "assistant", "content": "a"}, {"role": "user", "content": "Q: And now?"}]
+    shown = with_image_parts(prompt, 1)
+    assert shown[1]["content"] == [{"type": "image"}, {"type": "text", "text": "First?"}] and shown[3] == prompt[3]

@@ -59,27 +59,29 @@ def geometry3k(tmp_path_factory) -> Path:
     return root
 
 
-def _records(result) -> list[dict]:
-    return [json.loads(line) for line in result.path.read_text().splitlines()]
+def _records(result):
+    from vlmexp.data.record import read_sampled
+
+    return read_sampled(result.path)
 
 
 def test_geometry3k_parquet_shards_with_embedded_images(geometry3k, tmp_path):
     src = DataSource(json_path=str(geometry3k / "data" / "train-*.parquet"), sampling_strategy="random:5")
     result = sample_sources([src], tmp_path / "out" / "train.jsonl", seed=1)
     records = _records(result)
-    assert len(records) == 5 and all(r["record_format"] == "easyr1" and r["task"] == "math" for r in records)
+    assert len(records) == 5 and all(r.record_format == "easyr1" and r.task == "math" for r in records)
     text = result.path.read_text()
     assert "bytes" not in text and len(text) < 5000  # paths, not PNG byte strings
     for r in records:
-        [path] = r["image_paths"]
+        [path] = r.images
         stored = Path(path)
         assert stored.parent.parent == tmp_path / "out" / "images" and stored.suffix == ".png"
         import hashlib
 
         assert stored.name == hashlib.sha256(stored.read_bytes()).hexdigest() + ".png"  # content-addressed
-        assert r["images"] == [str(stored.relative_to(tmp_path / "out"))]
-        assert r["problem"].startswith("<image>")  # the record as published; the prompt drops the tag
-        assert tuple(r["image_sizes"][0]) in SIZES
+        assert r.image_refs == [str(stored.relative_to(tmp_path / "out"))]
+        assert not r.problem.startswith("<image>") and r.problem.startswith("Find")  # the tag is dropped
+        assert tuple(r.image_sizes[0]) in SIZES
     manifest = json.loads(result.manifest_path.read_text())
     [source] = manifest["sources"]
     assert source["kind"] == "shards" and source["rows_read"] == 12 and source["embedded_images"] == 5
@@ -94,7 +96,7 @@ def test_geometry3k_parquet_shards_with_embedded_images(geometry3k, tmp_path):
 
 def test_a_folder_of_shards_takes_a_split_and_parquet_file_and_arrow_read_alike(geometry3k, tmp_path):
     by_split = sample_sources([DataSource(json_path=f"{geometry3k}@test")], tmp_path / "a" / "t.jsonl", 0)
-    assert by_split.rows == 6 and {r["id"] for r in _records(by_split)} == {str(i) for i in range(200, 206)}
+    assert by_split.rows == 6 and {r.id for r in _records(by_split)} == {str(i) for i in range(200, 206)}
     one_file = DataSource(json_path=str(geometry3k / "data" / "test-00000-of-00001.parquet"))
     assert sample_sources([one_file], tmp_path / "b" / "t.jsonl", 0).content_sha256 == by_split.content_sha256
     arrow = tmp_path / "test.arrow"
@@ -102,7 +104,7 @@ def test_a_folder_of_shards_takes_a_split_and_parquet_file_and_arrow_read_alike(
     ds.save_to_disk(tmp_path / "tmp_saved")
     shutil.copy(next((tmp_path / "tmp_saved").glob("*.arrow")), arrow)
     from_arrow = sample_sources([DataSource(json_path=str(arrow))], tmp_path / "c" / "t.jsonl", 0)
-    assert [r["id"] for r in _records(from_arrow)] == [r["id"] for r in _records(by_split)]
+    assert [r.id for r in _records(from_arrow)] == [r.id for r in _records(by_split)]
 
 
 def test_save_to_disk_folders_dataset_and_dataset_dict(tmp_path):
@@ -112,7 +114,7 @@ def test_save_to_disk_folders_dataset_and_dataset_dict(tmp_path):
     DatasetDict({"train": geometry3k_dataset(8), "test": geometry3k_dataset(3, 50)}).save_to_disk(tmp_path / "dict")
     result = sample_sources([DataSource(json_path=str(tmp_path / "saved"), sampling_strategy="first:3"),
                              DataSource(json_path=f"{tmp_path / 'dict'}@test")], tmp_path / "out" / "t.jsonl", 0)
-    assert [r["id"] for r in _records(result)] == ["0", "1", "2", "50", "51", "52"]
+    assert [r.id for r in _records(result)] == ["0", "1", "2", "50", "51", "52"]
     manifest = json.loads(result.manifest_path.read_text())
     assert all(s["kind"] == "saved" and s["fingerprint"] for s in manifest["sources"])
     with pytest.raises(DataError, match=r"name a split, one of \['test', 'train'\]"):
@@ -149,7 +151,7 @@ def test_a_hub_id_with_split_loads_from_the_local_cache_offline(hf_cache, tmp_pa
                                                     "images": [str(make_png(tmp_path / "im.png"))]}])
     result = sample_sources([train, DataSource(json_path=str(local))], tmp_path / "out" / "train.jsonl", seed=3)
     records = _records(result)
-    assert [r["id"] for r in records[:4]] == ["0", "1", "2", "3"] and records[4]["answer"] == "4"
+    assert [r.id for r in records[:4]] == ["0", "1", "2", "3"] and records[4].solution == "4"
     hub = json.loads(result.manifest_path.read_text())["sources"][0]
     assert hub["kind"] == "hub" and hub["revision"] == "c0ffee" + "0" * 34 and hub["fingerprint"]
     assert hub["json_path"] == "hiyouga/geometry3k@train" and hub["rows_read"] == 12
@@ -171,8 +173,8 @@ def test_refcoco_style_image_column_and_column_mapping(tmp_path):
     Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "refcoco.parquet")
     result = sample_sources([DataSource(json_path=str(tmp_path / "refcoco.parquet"))], tmp_path / "a" / "t.jsonl", 0)
     records = _records(result)
-    assert [r["task"] for r in records] == ["rec"] * 4 and records[0]["solution"] == [2, 3, 20, 30]
-    assert all(r["image"].startswith("images/") for r in records)
+    assert [r.task for r in records] == ["rec"] * 4 and records[0].solution == [2, 3, 20, 30]
+    assert all(r.image_refs[0].startswith("images/") for r in records)
 
     renamed = {"question": [f"q{i}" for i in range(4)], "solution": [str(i) for i in range(4)],
                "picture": rows["image"]}
@@ -181,7 +183,7 @@ def test_refcoco_style_image_column_and_column_mapping(tmp_path):
     mapped = DataSource(json_path=str(tmp_path / "qa.parquet"), task="exact",
                         columns={"problem": "question", "answer": "solution", "images": "picture"})
     records = _records(sample_sources([mapped], tmp_path / "b" / "t.jsonl", 0))
-    assert [(r["problem"], r["answer"], r["record_format"]) for r in records][1] == ("q1", "1", "easyr1")
+    assert [(r.problem, r.solution, r.record_format) for r in records][1] == ("q1", "1", "easyr1")
 
     wrong = DataSource(json_path=str(tmp_path / "qa.parquet"), columns={"problem": "prompt", "images": "picture"})
     with pytest.raises(DataError) as e:
@@ -262,8 +264,8 @@ def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, m
         prepared = prepare_data(cfg)
         lines = prepared.train.read_text().splitlines() + prepared.val.read_text().splitlines()
         picks.append(sorted(json.loads(line)["source_row"] for line in lines))
-        hashes.append(prepared.manifest_sha256)
-        keys.append(stage_key(cfg, "sft", prepared.manifest_sha256))
+        hashes.append(prepared.content_sha256)
+        keys.append(stage_key(cfg, "sft", prepared.content_sha256))
     assert keys[0] == keys[1]  # moving the checkout and its data retrains nothing
     assert picks[0] == picks[1] and len(picks[0]) == 5
     assert hashes[0] == hashes[1]  # the stage cache keys see the same data hash
@@ -273,8 +275,8 @@ def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, m
     both = sample_sources([DataSource(json_path=str(tmp_path / "one" / "data" / "other.jsonl"),
                                       sampling_strategy="random:3"), DataSource(json_path=d, sampling_strategy="random:5")],
                           tmp_path / "mix" / "t.jsonl", seed=1)
-    assert sorted(r["source_row"] for r in _records(both)[3:]) == sorted(
-        r["source_row"] for r in _records(sample_sources([DataSource(json_path=d, sampling_strategy="random:5")],
+    assert sorted(r.source_row for r in _records(both)[3:]) == sorted(
+        r.source_row for r in _records(sample_sources([DataSource(json_path=d, sampling_strategy="random:5")],
                                                          tmp_path / "alone" / "t.jsonl", seed=1)))
 
 

@@ -133,6 +133,11 @@ def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path)
     assert metrics["pairs/prompts"] == 32 and metrics["pairs/pairs"] + metrics["pairs/prompts_without_pair"] == 32
     assert {"pairs/pairs.jsonl", "pairs/pairs.json", "plots/curves.png"} <= set(_artifacts(client, run_id))
     assert [row["model"] for row in result.evaluation] == ["base", "sft", "dpo"]
+    # the run page's first charts: the reward margin and the main evaluation metric (tests/test_flow.py: GRPO's)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "Summary/reward_margin")] == [
+        (m.step, m.value) for m in client.get_metric_history(run_id, "rewards/margins")]
+    dpo_iou = client.get_run(runs["eval"].info.run_id).data.metrics["dpo/rec_mean_iou"]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "Summary/rec_mean_iou")] == [(3, dpo_iou)]
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["evaluation"][-1]["model"] == "dpo" and "dpo" in manifest["mlflow_stage_run_ids"]
     assert result.model.endswith("dpo/final")

@@ -14,6 +14,7 @@ from vlmexp.export import beats, register_and_promote
 from vlmexp.pipeline.tracker import make_tracker
 
 REPO = Path(__file__).resolve().parents[1]
+COPY = {"mode": "copy"}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_registry_promotes_only_a_better_model(tmp_path, tiny_models, direction,
     for value in values:
         run = tracker.start_pipeline("p", {}, {})
         decisions.append(register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou",
-                                              value, direction))
+                                              value, direction, registration=COPY))
         tracker.end(run)
     client = MlflowClient(tracker.uri)
     assert [d.version for d in decisions] == ["1", "2", "3", "4"]  # every export is kept as a version
@@ -117,11 +118,78 @@ def test_registered_champion_downloads_and_loads(tmp_path, tiny_models, monkeypa
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
     tracker = make_tracker(cfg)
     run = tracker.start_pipeline("p", {}, {})
-    register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5, "maximize")
+    register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5, "maximize",
+                         registration=COPY)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)  # models:/ URIs resolve through the registry's store
     local = mlflow.artifacts.download_artifacts("models:/demo-model@champion", dst_path=str(tmp_path / "dl"))
     model = AutoModelForImageTextToText.from_pretrained(local)
     assert model.config.model_type == "qwen2_5_vl"
+
+
+def test_registration_copies_small_exports_and_references_large_ones(tmp_path):
+    """export.registration: auto decides on the folder's size against export.copy_max_gib; copy and reference
+    are taken as asked; the plan says why."""
+    from vlmexp.registration import plan_registration
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    plan = {over: plan_registration(load_config(REPO / "configs/demo.yaml", over, check_paths=False).export, tmp_path)
+            for over in ((), ("export.copy_max_gib=2e-6",), ("export.registration=copy", "export.copy_max_gib=2e-6"),
+                         ("export.registration=reference", "export.reference_uri=s3://bucket/m"))}
+    assert plan[()]["mode"] == "copy" and plan[()]["reason"] == "0.00 GiB <= export.copy_max_gib 1"
+    assert plan[()]["size_bytes"] == 4096 and plan[()]["reference_uri"] is None
+    assert plan[("export.copy_max_gib=2e-6",)]["mode"] == "reference"  # 2e-6 GiB is 2147 bytes < 4096
+    assert "> export.copy_max_gib 2e-06" in plan[("export.copy_max_gib=2e-6",)]["reason"]
+    forced = plan[("export.registration=copy", "export.copy_max_gib=2e-6")]
+    assert forced["mode"] == "copy" and forced["reason"] == "export.registration is copy"
+    assert plan[("export.registration=reference", "export.reference_uri=s3://bucket/m")]["reference_uri"] == "s3://bucket/m"
+
+
+def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, tiny_models, monkeypatch):
+    """A large export (here: any, with the threshold at 0) is registered by reference: its manifest says so, the
+    version points at a snapshot of hard links (not one byte copied) that the next export into the same folder
+    leaves as it was, the logged model holds no weights, and the champion downloads and loads from it.
+    export.reference_uri is taken only where it holds this export."""
+    import shutil
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForImageTextToText
+
+    from vlmexp.errors import ConfigError
+    from vlmexp.export import export_model
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "export.copy_max_gib=1e-9"])
+    out = export_model(cfg, str(tiny_models["qwen2_5_vl"]), tmp_path / "export", {})
+    plan = json.loads((out / "manifest.json").read_text())["registration"]
+    assert plan["mode"] == "reference" and plan["size_bytes"] > (out / "model.safetensors").stat().st_size
+    tracker = make_tracker(cfg)
+    run = tracker.start_pipeline("p", {}, {})
+    register_and_promote(tracker, run, out, "big-model", "rec_mean_iou", 0.5, "maximize", registration=plan)
+    client = MlflowClient(tracker.uri)
+    version = client.get_model_version("big-model", "1")
+    snapshot = Path(version.source.removeprefix("file://"))
+    assert snapshot.parent == tmp_path / "registered" and version.tags["registration"] == "reference"
+    weights = (out / "model.safetensors").stat()
+    assert (snapshot / "model.safetensors").stat().st_ino == weights.st_ino and weights.st_nlink == 2  # linked
+    model = client.get_logged_model(version.tags["model_id"])
+    assert model.tags["mlflow.model.isExternal"] == "true" and model.tags["vlmexp.files"] == version.source
+    assert [a.path for a in client.list_logged_model_artifacts(model.model_id)] == ["MLmodel"]  # no weights in MLflow
+
+    export_model(cfg, str(tiny_models["qwen2_5_vl"]), tmp_path / "export", {"again": True})  # replaces export/
+    assert (snapshot / "model.safetensors").stat().st_ino == weights.st_ino
+    assert "again" not in json.loads((snapshot / "manifest.json").read_text())  # the registered files, as they were
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)
+    local = mlflow.artifacts.download_artifacts("models:/big-model@champion", dst_path=str(tmp_path / "dl"))
+    assert AutoModelForImageTextToText.from_pretrained(local).config.model_type == "qwen2_5_vl"
+
+    elsewhere = tmp_path / "bucket" / "big-model-v2"  # where the user keeps a copy: taken once it holds this export
+    with pytest.raises(ConfigError, match=r"export\.reference_uri = .*manifest\.json is not this export's manifest"):
+        register_and_promote(tracker, run, out, "big-model", "rec_mean_iou", 0.4, "maximize",
+                             registration={**plan, "reference_uri": elsewhere.as_uri()})
+    shutil.copytree(out, elsewhere)
+    register_and_promote(tracker, run, out, "big-model", "rec_mean_iou", 0.4, "maximize",
+                         registration={**plan, "reference_uri": elsewhere.as_uri()})
+    assert client.get_model_version("big-model", "2").source == elsewhere.as_uri()
 
 
 def test_beats_explains_itself():

@@ -18,7 +18,7 @@ SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.a
          "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
          "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
          "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
-         "eval.max_new_tokens=12", *SMALL_BATCHES]
+         "eval.max_new_tokens=12", "tracking.system_metrics_seconds=0.5", *SMALL_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
         assert source["mlflow.source.type"] == "LOCAL" and source["mlflow.source.name"] == command_name(), source
         assert source["mlflow.source.git.commit"] == tags["git_commit"].removesuffix("-dirty")
         assert source["git_dirty"] == str(tags["git_commit"].endswith("-dirty")).lower()
-    assert len(tags["data.manifest_sha256"]) == 64 and tags["stage.grpo"] == "trained"
+    assert len(tags["data.content_sha256"]) == 64 and tags["stage.grpo"] == "trained"
     # the Dataset column: the sampled data as dataset inputs, the same digest (the content's) in every run
     content = {split: json.loads((out / "data" / f"{split}.manifest.json").read_text())["content_sha256"][:16]
                for split in ("train", "val")}
@@ -130,6 +130,12 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     table = json.loads(Path(client.download_artifacts(grpo, "completions/step_000002.json", str(tmp_path))).read_text())
     assert {"completion", "prompt", "reward/iou", "reward/rewards_for_tests:char_variety"} <= set(table["columns"])
     assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "loss")] == [1, 2, 3, 4]
+    # the System metrics tab: MLflow's monitor sampled each stage process into the run it joined (no GPU here)
+    for stage in ("demo-sft", "demo-grpo"):
+        system = {k for k in runs[stage].data.metrics if k.startswith("system/")}
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+                "system/system_memory_usage_percentage"} <= system, (stage, system)
+        assert client.get_metric_history(runs[stage].info.run_id, "system/cpu_utilization_percentage")
     # evaluation: per-model metrics and tables
     ev = runs["eval"]
     assert {"base/rec_mean_iou", "sft/rec_mean_iou", "grpo/format_rate", "grpo/count"} <= set(ev.data.metrics)
@@ -138,13 +144,15 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert (out / "export" / "model.safetensors").is_file()
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
-    assert manifest["data_manifest_sha256"] == tags["data.manifest_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
+    assert manifest["data_content_sha256"] == tags["data.content_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
     # registry: the first export becomes the champion, with its metric on the version
     assert result.promotion.promoted and result.promotion.version == "1"
     assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"
     champion = client.get_model_version_by_alias("vlmexp-demo", "champion")
     assert float(champion.tags["metric.rec_mean_iou"]) == ev.data.metrics["grpo/rec_mean_iou"]
-    assert "model/model.safetensors" in _artifacts(client, parent.info.run_id)
+    assert manifest["registration"]["mode"] == "copy"  # a tiny model: under export.copy_max_gib
+    _assert_logged_models(client, exp, runs, champion, ev, content["val"])
+    _assert_headline_charts(client, runs, ev)
 
     _assert_no_secret_in_mlflow(client, exp, tmp_path / "scan")
     assert "<redacted>" in (out / "export" / "vlmexp_config.yaml").read_text()
@@ -162,15 +170,78 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert len(client.search_model_versions("name='vlmexp-demo'")) == 1  # the cached export is not registered again
 
 
+def _assert_logged_models(client, exp, runs, champion, ev, val_digest):
+    """The Models tab: every checkpoint and final model of each stage and the export, linked to the run and step
+    that made them; evaluated models carry their evaluation; the registered version is the export's model,
+    whose files MLflow holds (copied: a tiny model), while checkpoints are referenced by path only."""
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
+    assert set(models) == {"sft-checkpoint-4", "sft-final", "grpo-checkpoint-1", "grpo-checkpoint-2",
+                           "grpo-checkpoint-3", "grpo-final", "run-export"}, set(models)
+    sft, grpo, parent = (runs[n].info.run_id for n in ("demo-sft", "demo-grpo", "demo-pipeline"))
+    outputs = {run: {(o.model_id, o.step) for o in client.get_run(run).outputs.model_outputs} for run in (sft, grpo)}
+    assert outputs[grpo] == {(models[f"grpo-checkpoint-{i}"].model_id, i) for i in (1, 2, 3)} | {
+        (models["grpo-final"].model_id, 3)}
+    assert outputs[sft] == {(models["sft-checkpoint-4"].model_id, 4), (models["sft-final"].model_id, 4)}
+    checkpoint = models["grpo-checkpoint-2"]
+    assert checkpoint.source_run_id == grpo and checkpoint.tags["mlflow.model.isExternal"] == "true"
+    assert Path(checkpoint.tags["vlmexp.path"], "model.safetensors").is_file()
+    assert [a.path for a in client.list_logged_model_artifacts(checkpoint.model_id)] == ["MLmodel"]  # no weights
+    at_step = {m.key: m.value for m in checkpoint.metrics if m.step == 2}  # the run's step-2 values
+    assert [at_step["loss"]] == [m.value for m in client.get_metric_history(grpo, "loss") if m.step == 2]
+    for name, stage in (("sft-final", "sft"), ("grpo-final", "grpo")):  # evaluated: its metrics, on the val data
+        evaluated = {m.key: (m.value, m.dataset_digest) for m in models[name].metrics if m.key.startswith("eval/")}
+        assert evaluated["eval/rec_mean_iou"] == (ev.data.metrics[f"{stage}/rec_mean_iou"], val_digest), name
+    assert {i.model_id for i in client.get_run(ev.info.run_id).inputs.model_inputs} == {
+        models["sft-final"].model_id, models["grpo-final"].model_id}
+    export = models["run-export"]
+    assert export.source_run_id == parent and export.tags["vlmexp.exported_from"] == models["grpo-final"].model_id
+    # the registered version is that model: its source, its id, and the model lists the version
+    assert champion.source == f"models:/{export.model_id}" and champion.tags["model_id"] == export.model_id
+    assert champion.tags["registration"] == "copy" == export.tags["vlmexp.registration"]
+    assert json.loads(export.tags["mlflow.modelVersions"]) == [{"name": "vlmexp-demo", "version": "1"}]
+    assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(export.model_id)}
+    assert {m.key: m.value for m in export.metrics}["eval/rec_mean_iou"] == ev.data.metrics["grpo/rec_mean_iou"]
+    assert not [a for a in _artifacts(client, parent) if a.startswith("model/")]  # the weights are not copied twice
+
+
+def _assert_headline_charts(client, runs, ev):
+    """The first section of a run page's charts (MLflow's UI sorts sections by name, upper case first, and puts
+    keys without a section last): "Summary", holding the reward and the main evaluation metric."""
+    grpo, sft, parent = (runs[n].info.run_id for n in ("demo-grpo", "demo-sft", "demo-pipeline"))
+
+    def history(run, key):
+        return [(m.step, m.value) for m in client.get_metric_history(run, key)]
+
+    assert history(grpo, "Summary/reward") == history(grpo, "reward") and len(history(grpo, "reward")) == 3
+    assert history(grpo, "Summary/rec_mean_iou") == [(3, ev.data.metrics["grpo/rec_mean_iou"])]
+    assert history(sft, "Summary/rec_mean_iou") == [(4, ev.data.metrics["sft/rec_mean_iou"])]
+    headline = {k: v for k, v in client.get_run(parent).data.metrics.items() if k.startswith("Summary/")}
+    assert headline == {"Summary/rec_mean_iou": ev.data.metrics["grpo/rec_mean_iou"],
+                        "Summary/reward": history(grpo, "reward")[-1][1]}
+    for run in (grpo, parent):
+        sections = sorted({k.rsplit("/", 1)[0] for k in client.get_run(run).data.metrics
+                           if "/" in k and not k.startswith("system/")})
+        assert sections[0] == "Summary", sections
+
+
 def _assert_no_secret_in_mlflow(client, exp, scan: Path):
     """Neither planted secret is in any run's params, tags or metrics names, nor in any artifact's bytes."""
     for run in client.search_runs([exp.experiment_id]):
         texts = [*run.data.params.items(), *run.data.tags.items(), *run.data.metrics]
         assert not [t for t in map(str, texts) if ENV_SECRET in t or CONFIG_SECRET in t], run.info.run_name
         local = Path(client.download_artifacts(run.info.run_id, "", str(scan / run.info.run_id)))
-        for f in (p for p in local.rglob("*") if p.is_file()):
-            data = f.read_bytes()
-            assert ENV_SECRET.encode() not in data and CONFIG_SECRET.encode() not in data, f
+        _assert_no_secret_in(local)
+    import mlflow
+
+    for model in client.search_logged_models([exp.experiment_id]):  # the export's files live in its model
+        _assert_no_secret_in(Path(mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location,
+                                                                      dst_path=str(scan / model.model_id))))
+
+
+def _assert_no_secret_in(folder: Path):
+    for f in (p for p in folder.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        assert ENV_SECRET.encode() not in data and CONFIG_SECRET.encode() not in data, f
 
 
 def _latest_parent(out):

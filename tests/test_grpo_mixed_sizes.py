@@ -27,10 +27,10 @@ def _cfg(out, *overrides):
 
 
 def _records(cfg):
+    from vlmexp.data.record import read_sampled
     from vlmexp.data.run_data import prepare_data
-    from vlmexp.files import read_jsonl
 
-    return {r["source_row"]: r for r in read_jsonl(prepare_data(cfg).train)}
+    return {r.source_row: r for r in read_sampled(prepare_data(cfg).train)}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
@@ -63,8 +63,8 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
                "grpo.args.gradient_accumulation_steps=2", "grpo.args.num_generations=8")
     records = _records(cfg)
     trainer, inputs, rows = build_grpo_trainer(cfg)
-    sizes = {tuple(map(tuple, r["image_sizes"])) for r in records.values()}
-    grids = {tuple(inputs.family.image_layout(r["image_sizes"], inputs.budget).flatten().tolist())
+    sizes = {tuple(map(tuple, r.image_sizes)) for r in records.values()}
+    grids = {tuple(inputs.family.image_layout(r.image_sizes, inputs.budget).flatten().tolist())
              for r in records.values()}
     assert len(sizes) >= 3 and len(grids) >= 3, (sizes, grids)
     check = rewards_for_tests.record_check
@@ -171,7 +171,7 @@ def test_internvl_tile_counts_differ_per_prompt_and_each_sample_keeps_its_own(tm
     cfg = _cfg(tmp_path / "ok", *INTERNVL, "grpo.args.max_steps=2", *steps)
     records = _records(cfg)
     trainer, inputs, rows = build_grpo_trainer(cfg)
-    tiles = {inputs.budget.tiles(*r["image_sizes"][0]) for r in records.values()}
+    tiles = {inputs.budget.tiles(*r.image_sizes[0]) for r in records.values()}
     assert len(tiles) >= 3 and max(tiles) > 1, tiles
     check = rewards_for_tests.record_check
     check.records, check.mismatches, check.seen = records, [], 0

@@ -123,6 +123,7 @@ def test_box_frame_both_ways_on_the_records(demo_data):
     from PIL import Image
 
     from vlmexp.coords import from_frame, parse_box, to_frame
+    from vlmexp.data.record import SampledRecord
     from vlmexp.prompts import target_text
 
     rng = random.Random(0)
@@ -132,7 +133,10 @@ def test_box_frame_both_ways_on_the_records(demo_data):
         assert scaled == pytest.approx([box[0] * 1000 / width, box[1] * 1000 / height, box[2] * 1000 / width,
                                         box[3] * 1000 / height])
         assert from_frame(scaled, width, height, INTERNVL.box_frame) == pytest.approx(box)
-        sampled = {**record, "record_format": "rec", "task": "rec", "image_sizes": [[width, height]]}
+        sampled = SampledRecord(task="rec", method=None, problem=record["problem"], solution=box,
+                                images=[str(demo_data / record["image"])], image_sizes=[[width, height]],
+                                image_refs=[record["image"]], source=str(demo_data), source_id="", source_row=0,
+                                record_format="rec")
         target = parse_box(target_text(sampled, INTERNVL, None))
         assert target == [round(v) for v in scaled]
         jitter = [v + rng.uniform(-0.5, 0.5) for v in box]  # no budget is needed: the frame ignores the tiling

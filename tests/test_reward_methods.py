@@ -19,9 +19,9 @@ BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12
 SIZE = [[112, 112]]  # a multiple of 28: the pixels frame maps boxes 1:1
 
 
-def exact(method: str, completions: list[str], solution: str) -> list:
-    return ExactReward()(completions=completions, solution=[solution] * len(completions),
-                         accu_reward_method=[method] * len(completions))
+def exact(method: str, completions: list[str], solution: str, **kwargs) -> list:
+    return ExactReward(**kwargs)(completions=completions, solution=[solution] * len(completions),
+                                 accu_reward_method=[method] * len(completions))
 
 
 def boxes(*objects: tuple[list[float], str], fence: bool = True) -> str:
@@ -39,8 +39,65 @@ def test_mcq_extracts_the_choice_first():
                          "<answer>B. a cat</answer>", "<answer>(C)</answer>", "<answer>I cannot tell</answer>"],
                  "B") == [1.0, 1.0, 0.0, 0.0]
     assert exact("mcq", ["<answer>B</answer>"], "<answer>(B) a cat</answer>") == [1.0]
-    # default (exact) compares the whole answer: the sentence is not "B"
-    assert exact("default", ["<answer>The answer is (B).</answer>"], "B") == [0.0]
+    # default, as VLM-R1 scores it, extracts the letter from a choice-letter solution's answer too;
+    # default_match: exact compares the whole answer, and the sentence is not "B"
+    assert exact("default", ["<answer>The answer is (B).</answer>"], "B") == [1.0]
+    assert exact("default", ["<answer>The answer is (B).</answer>"], "B", default_match="exact") == [0.0]
+
+
+def test_levenshtein_ratio_as_python_levenshtein():
+    from vlmexp.answers import levenshtein_ratio
+
+    # python-Levenshtein / rapidfuzz's documented values: ratio("lewenstein", "levenshtein") = 0.857142...
+    assert levenshtein_ratio("lewenstein", "levenshtein") == pytest.approx(18 / 21)
+    assert levenshtein_ratio("kitten", "sitting") == pytest.approx(8 / 13)  # LCS "ittn"
+    assert levenshtein_ratio("", "") == 1.0 and levenshtein_ratio("abc", "") == 0.0
+    assert levenshtein_ratio("a red cat", "a red cat") == 1.0
+    import random
+
+    def lcs(a: str, b: str) -> int:  # the plain dynamic programme, against the bit-parallel count
+        row = [0] * (len(b) + 1)
+        for x in a:
+            prev, row = row, [0]
+            for j, y in enumerate(b):
+                row.append(prev[j] + 1 if x == y else max(prev[j + 1], row[j]))
+        return row[-1]
+
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = ("".join(rng.choice("abcd ") for _ in range(rng.randrange(0, 90))) for _ in range(2))
+        assert levenshtein_ratio(a, b) == pytest.approx(2 * lcs(a, b) / (len(a) + len(b)) if a or b else 1.0)
+
+
+def test_default_scores_as_vlm_r1_default_accuracy_reward():
+    """om-ai-lab/VLM-R1 grpo_jsonl.py `default_accuracy_reward`, branch by branch."""
+    # math-verify equivalence first
+    assert exact("default", ["<answer>\\frac{1}{2}</answer>", "<answer>0.5</answer>"], "<answer>1/2</answer>") == [1.0, 1.0]
+    # a solution with digits: numbers compared as numbers, else the ratio of the cleaned texts
+    assert exact("default", ["<answer>7</answer>", "<answer>8</answer>"], "7.0") == [1.0, 0.0]
+    assert exact("default", ["<answer>room 12b</answer>"], "Room 13A.") == [pytest.approx(12 / 16)]  # "room 1"
+    # as in VLM-R1, math-verify reads a number out of text: "room 12b" and "Room 12A." both read as 12
+    assert exact("default", ["<answer>room 12b</answer>"], "Room 12A.") == [1.0]
+    # an option letter: the letter the answer names; none named is unparsable (0, counted)
+    counts = {}
+    scores = ExactReward()(completions=["<answer>C.</answer>", "<answer>a cat</answer>"], solution=["C", "C"],
+                           accu_reward_method=["default"] * 2, log_metric=lambda k, v: counts.update({k: v}))
+    assert scores == [1.0, 0.0] and counts["rewards/exact/unparsable/no_choice"] == 1
+    # text: partial credit, the Levenshtein ratio of VLM-R1's clean_text (lower case, final '.' dropped)
+    assert exact("default", ["<answer>A red cat.</answer>", "<answer>a red hat</answer>", "a red cat"],
+                 "<answer>a red cat</answer>") == [1.0, pytest.approx(16 / 18), 1.0]  # no tag: the whole text
+    assert exact("default", ["<answer>blue</answer>"], "Red.") == [pytest.approx(2 / 7)]  # "blue" / "red": LCS "e"
+    assert exact("default", ["<answer>blue</answer>"], "Red.", default_match="exact") == [0.0]
+
+
+def test_default_match_refused_unless_known(tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(Path(__file__).resolve().parents[1] / "configs/demo.yaml",
+                    ["grpo.rewards=[{name: exact, kwargs: {default_match: fuzzy}}]"])
+    assert "grpo.rewards.0.kwargs.default_match" in str(e.value) and "vlm_r1, exact" in str(e.value)
 
 
 def test_yes_no_reads_whole_words():
@@ -217,11 +274,13 @@ def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
 
 
 def test_evaluation_gives_detection_ap_over_all_records():
+    from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 
     gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
-    records = [{**conversation("od_ap", gold), "record_format": "conversations", "task": "detection",
-                "image_sizes": SIZE}] * 2
+    records = [SampledRecord(task="detection", method="od_ap", problem="Which?", solution=gold, images=["a.png"],
+                             image_sizes=SIZE, image_refs=["a.png"], source="d.jsonl", source_id="", source_row=0,
+                             record_format="conversations")] * 2
     completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", "<answer>None</answer>"]
     metrics, _ = score_records(records, completions, "pixels", BUDGET)
     assert metrics["detection_reward"] == pytest.approx(0.5) and metrics["format_rate"] == 0.5

@@ -85,7 +85,8 @@ def test_score_math_notations_and_exact_answers(tmp_path):
     ])
     metrics, rows = score_predictions(preds, "qwen2_5_vl")
     assert [r["score"] for r in rows[:4]] == [1.0, 1.0, 1.0, 0.0]
-    assert metrics["math_accuracy"] == pytest.approx(0.75) and metrics["exact_accuracy"] == pytest.approx(0.5)
+    # "default" as VLM-R1 scores it: "blue" against "Red." earns the Levenshtein ratio of "blue" and "red", 2/7
+    assert metrics["math_accuracy"] == pytest.approx(0.75) and metrics["exact_accuracy"] == pytest.approx((1 + 2 / 7) / 2)
     assert "rec_mean_iou" not in metrics and metrics["count"] == 6
 
 
@@ -123,10 +124,11 @@ def test_evaluation_scores_with_the_configured_rewards():
     """Evaluation builds its scorers with build_reward from grpo.rewards: a boxed-style format reward in the
     config is the format evaluation measures (the metric names stay)."""
     from vlmexp.config import RewardSpec
+    from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 
-    records = [{"record_format": "easyr1", "task": "math", "problem": "1+1?", "answer": "2", "images": [],
-                "image_paths": [], "image_sizes": []}] * 2
+    records = [SampledRecord(task="math", method="math", problem="1+1?", solution="2", images=[], image_sizes=[],
+                             image_refs=[], source="s.jsonl", source_id="", source_row=0, record_format="easyr1")] * 2
     texts = ["<think>add</think> so \\boxed{2}", "<think>add</think><answer>3</answer>"]
     default, default_rows = score_records(records, texts, "pixels", None)
     boxed, rows = score_records(records, texts, "pixels", None,
@@ -135,3 +137,19 @@ def test_evaluation_scores_with_the_configured_rewards():
     assert boxed == {"count": 2.0, "format_rate": 0.5, "math_accuracy": 0.5}
     assert [r["format"] for r in default_rows] == [0.0, 1.0]  # the "answer" style by default
     assert [r["format"] for r in rows] == [1.0, 0.0] and [r["score"] for r in rows] == [1.0, 0.0]
+
+
+def test_score_reads_conversational_records_and_keeps_completion_for_the_output(tmp_path):
+    """TRL and LLaMA-Factory records are scored like the sampler reads them; `completion` is always the model's
+    output (a prompt-only record is not taken for a prompt-completion one)."""
+    make_png(tmp_path / "a.png")
+    trl = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "2+2?"}]}],
+           "image": "a.png", "solution": "4", "task": "math"}
+    chat = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+            "images": ["a.png"]}
+    preds = write_jsonl(tmp_path / "p.jsonl", [{**trl, "completion": "<think>x</think><answer>4</answer>"},
+                                               {**trl, "completion": "<answer>5</answer>"},
+                                               {**chat, "completion": "<think>x</think><answer>red</answer>"}])
+    metrics, rows = score_predictions(preds, "qwen2_5_vl")
+    assert [r["score"] for r in rows] == [1.0, 0.0, 1.0] and [r["problem"] for r in rows][::2] == ["2+2?", "Colour?"]
+    assert metrics["math_accuracy"] == 0.5 and metrics["exact_accuracy"] == 1.0

@@ -3,14 +3,12 @@ the gpt turn), or sft.target_template; records with only a ground truth are refu
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from conftest import make_png, write_json, write_jsonl
 
 from vlmexp.cli import main
 from vlmexp.config import DataSource, SFTStageConfig
+from vlmexp.data.record import SampledRecord, read_sampled
 from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
 from vlmexp.families import get_family
@@ -23,7 +21,7 @@ TEMPLATE = "<think>{problem}</think><answer>{answer}</answer>"
 
 
 @pytest.fixture
-def sampled(tmp_path) -> dict[str, list[dict]]:
+def sampled(tmp_path) -> dict[str, list[SampledRecord]]:
     """Sampled records of each format, by format, from real sources."""
     make_png(tmp_path / "a.png", (112, 112))  # stays 112 x 112: boxes keep their pixels
     sources = {
@@ -39,7 +37,7 @@ def sampled(tmp_path) -> dict[str, list[dict]]:
     out = {}
     for fmt, path in sources.items():
         result = sample_sources([DataSource(json_path=str(path), image_root=str(tmp_path))], tmp_path / f"{fmt}.out.jsonl", 0)
-        out[fmt] = [json.loads(line) for line in Path(result.path).read_text().splitlines()]
+        out[fmt] = read_sampled(result.path)
     return out
 
 
@@ -57,16 +55,17 @@ def test_targets_per_record_format(sampled):
 
 
 def test_check_names_each_source_without_answer_text(sampled, tmp_path):
-    mixed = write_jsonl(tmp_path / "train.jsonl", [*sampled["rec"], *sampled["easyr1"], *sampled["pairs"]])
+    lines = lambda *fmts: [r.to_json() for fmt in fmts for r in sampled[fmt]]
+    mixed = write_jsonl(tmp_path / "train.jsonl", lines("rec", "easyr1", "pairs"))
     with pytest.raises(DataError) as e:
         check_sft_targets(mixed, None)
     [problem] = e.value.problems
-    source = sampled["easyr1"][0]["source"]
+    source = sampled["easyr1"][0].source
     assert str(problem).startswith(f"{source} row 0: sft.target_template: this record (format 'easyr1', task 'math') "
                                    "holds only a ground-truth answer, no answer text for SFT to imitate")
     assert "(3 such record(s) from this source)" in str(problem) and "or sft.enabled: false" in str(problem)
     check_sft_targets(mixed, TEMPLATE)  # named: nothing to refuse
-    check_sft_targets(write_jsonl(tmp_path / "ok.jsonl", [*sampled["rec"], *sampled["conversations"]]), None)
+    check_sft_targets(write_jsonl(tmp_path / "ok.jsonl", lines("rec", "conversations")), None)
 
 
 @pytest.mark.parametrize("template, needle", [
@@ -85,7 +84,7 @@ def test_sft_refuses_before_any_step(tmp_path, tiny_models, sampled, capsys):
     from vlmexp.config import DataConfig
     from vlmexp.train.data import build_dataset
 
-    source = sampled["easyr1"][0]["source"]
+    source = sampled["easyr1"][0].source
     config = tmp_path / "c.yaml"
     config.write_text(f"run:\n  output_dir: {tmp_path / 'out'}\nmodel:\n  path: {tiny_models['qwen2_5_vl']}\n"
                       f"tracking:\n  backend: none\nsft:\n  args: {{max_steps: 1}}\ndata:\n  datasets:\n"

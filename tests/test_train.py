@@ -132,13 +132,15 @@ def test_a_stage_run_by_hand_logs_to_the_configured_store(tmp_path):
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", str(REPO / "configs/demo.yaml"),
                         f"run.output_dir={tmp_path / 'out'}", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
                         "data.demo.train=8", "data.demo.val=2", "sft.args.max_steps=2", "sft.args.save_steps=2",
-                        "sft.args.logging_steps=1"], capture_output=True, text=True, cwd=cwd, env=env)
+                        "sft.args.logging_steps=1", "tracking.system_metrics=false"],
+                       capture_output=True, text=True, cwd=cwd, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert list(cwd.iterdir()) == []
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
     assert run.info.run_name == "demo-sft" and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+    assert not [k for k in run.data.metrics if k.startswith("system/")]  # switched off (on: tests/test_flow.py)
 
 
 def test_a_stage_samples_only_when_the_files_are_not_what_the_config_asks_for(tmp_path, monkeypatch):

@@ -1,9 +1,11 @@
 """Reading the answer out of a completion and matching it to a ground truth: one function per answer method.
 
 The methods are VLM-R1's `accu_reward_method` values for text answers (om-ai-lab/VLM-R1,
-src/open-r1-multimodal/src/open_r1/grpo_jsonl.py: `mcq_reward`, `yes_no_reward`, `all_match_reward`,
-`clean_text`, `extract_choice`); "default" is vlmexp's exact match. Box answers live in vlmexp.detection,
-the math graders in `grade_math`.
+src/open-r1-multimodal/src/open_r1/grpo_jsonl.py: `default_accuracy_reward`, `mcq_reward`, `yes_no_reward`,
+`all_match_reward`, `numeric_reward`, `clean_text`, `extract_choice`): "default" scores as VLM-R1's
+`default_accuracy_reward` (`vlm_r1_default`, partial credit by Levenshtein ratio), or as vlmexp's exact match
+(`exact_match`) with the exact reward's `default_match: exact`. Box answers live in vlmexp.detection, the math
+graders in `grade_math`.
 
 Completions of a model whose chat template pre-fills `<think>` begin inside the think block
 ("reasoning...</think>answer"): where VLM-R1 falls back to the whole completion when it finds no
@@ -127,6 +129,57 @@ def exact_match(answer: str, gold: str) -> bool:
         return True
     a, g = _CHOICE.match(answer.strip()), _CHOICE.match(gold.strip())
     return bool(a and g and a.group(1).upper() == g.group(1).upper())
+
+
+def levenshtein_ratio(a: str, b: str) -> float:
+    """python-Levenshtein's `ratio` (what VLM-R1 imports as `from Levenshtein import ratio`): 1 - the insertions and
+    deletions that turn `a` into `b`, over len(a) + len(b); that is 2 x the longest common subsequence / (len(a) +
+    len(b)), 1.0 for two empty strings. The subsequence is counted bit-parallel (Hyyro's algorithm, as rapidfuzz's
+    `LCSseq` does), one big-integer step per character of `b`."""
+    total = len(a) + len(b)
+    if not total:
+        return 1.0
+    matches: dict[str, int] = {}
+    for i, char in enumerate(a):
+        matches[char] = matches.get(char, 0) | 1 << i
+    mask = (1 << len(a)) - 1
+    row = mask
+    for char in b:
+        common = row & matches.get(char, 0)
+        row = ((row + common) | (row - common)) & mask
+    lcs = len(a) - bin(row).count("1")
+    return 2 * lcs / total
+
+
+def _number(text: str) -> float | None:
+    """VLM-R1's `numeric_reward` reading: the cleaned text as a float, else None."""
+    try:
+        return float(clean_text(text))
+    except ValueError:
+        return None
+
+
+def vlm_r1_default(text: str, solution: str, tag: str = "answer") -> float | None:
+    """VLM-R1's `default_accuracy_reward` (grpo_jsonl.py): the last <answer> (else the whole completion) against the
+    solution's first one. 1.0 when math-verify finds them equal; else, when the solution holds a digit, 1.0 / 0.0
+    for two numbers (`numeric_reward`) and the Levenshtein ratio of the cleaned texts otherwise; when it names an
+    option letter, 1.0 / 0.0 for the letter the answer names (None when it names none: unparsable, scored 0 as
+    VLM-R1 does, and counted); else the Levenshtein ratio of the cleaned texts (partial credit)."""
+    from math_verify import parse, verify
+
+    gold, answer = gold_answer(solution, tag), answer_text(text, tag)
+    parsed = parse(answer)
+    if parsed and float(verify(parsed, parse(gold))) > 0:  # VLM-R1's argument order
+        return 1.0
+    if re.search(r"\d", gold):
+        said, want = _number(answer), _number(gold)
+        if said is not None and want is not None:
+            return float(said == want)
+        return levenshtein_ratio(clean_text(answer), clean_text(gold))
+    if (choice := extract_choice(gold)) is not None:
+        said = extract_choice(answer)
+        return None if said is None else float(said == choice)
+    return levenshtein_ratio(clean_text(answer), clean_text(gold))
 
 
 def check_math_grader(grader: str) -> None:

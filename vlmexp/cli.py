@@ -71,7 +71,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
     result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed)
-    print(format_report(result))
+    print(format_report(result, explain=args.explain))
     print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
     return 0
 
@@ -79,8 +79,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """The whole pipeline in this process: Prefect's temporary server, the configured MLflow store.
 
-    The one place the library's command line reaches up into flows/ (the library itself never imports
-    prefect): `vlmexp run` is a shortcut for calling the flow.
+    One of the two places the library's command line reaches up into flows/ (the library itself never
+    imports prefect): `vlmexp run` is a shortcut for calling the flow; `vlmexp prefect-setup` the other.
     """
     import os
     import signal
@@ -99,6 +99,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
         raise KeyboardInterrupt(f"signal {int(signal.SIGTERM)}" if "SIGTERM" in (state.message or "") else "")
     print(state.result().summary)
+    return 0
+
+
+def cmd_prefect_setup(args: argparse.Namespace) -> int:
+    """Create or update vlmexp's automations on the Prefect server at PREFECT_API_URL (flows/automations.py)."""
+    from flows.automations import set_up
+
+    try:
+        done = set_up(args.notify, args.heartbeat_seconds)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, what in done.items():
+        print(f"{what}: {name}")
+    if not args.notify:
+        print("no notifications: pass --notify TYPE/NAME (a notification block on the server) to add them")
     return 0
 
 
@@ -305,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("data_yaml")
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--explain", action="store_true",
+                   help="also print which format each source was read as and why (the fields that decided it)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")
@@ -312,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--force", action="store_true", help="retrain even when config and data are unchanged")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("prefect-setup", help="create or update vlmexp's automations on the Prefect server at "
+                                             "PREFECT_API_URL: zombie-run detection, and notifications with --notify")
+    p.add_argument("--notify", metavar="TYPE/NAME", default=None, help="a notification block on the server (e.g. "
+                   "slack-webhook/ops) to tell of failed or lost pipeline runs and of a new champion")
+    p.add_argument("--heartbeat-seconds", type=int, default=None, help="the workers' "
+                   "PREFECT_FLOWS_HEARTBEAT_FREQUENCY, if not this process's (default 180)")
+    p.set_defaults(func=cmd_prefect_setup)
 
     p = sub.add_parser("eval", help="evaluate a model folder (or LoRA adapter) on the held-out records")
     p.add_argument("checkpoint")

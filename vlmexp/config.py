@@ -185,8 +185,9 @@ class DataSource(Section):
     """One entry of a VLM-R1 data YAML's `datasets:` list."""
 
     json_path: str = Field(..., description="A .json (list), .jsonl, .parquet or .arrow file; a glob or folder of "
-                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; or a Hugging Face "
-                           "Hub dataset org/name@split (EasyR1's syntax).")
+                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; a LLaMA-Factory "
+                           "dataset folder (with dataset_info.json; name the dataset with `dataset`); or a Hugging "
+                           "Face Hub dataset org/name@split (EasyR1's syntax).")
     sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
     image_root: str | None = Field(None, description="Folder that relative image paths resolve against. "
                                    "Default: the file's or folder's own.")
@@ -197,6 +198,8 @@ class DataSource(Section):
                                            "prompt_key / answer_key / image_key).")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
+    dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: the dataset_info.json entry to "
+                                "read (its file, formatting, columns and tags); only with such a folder.")
 
     @field_validator("columns")
     @classmethod
@@ -341,7 +344,36 @@ class RewardSpec(Section):
                       "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
-                                                                     "(e.g. iou_threshold's threshold).")
+                                                                     "(e.g. iou_threshold's threshold; exact's "
+                                                                     "default_match: vlm_r1 | exact).")
+
+
+class DifficultyFilterConfig(Section):
+    """GRPO's dynamic sampling, done offline: before training, the start model samples `num_samples` completions
+    per training prompt, scored like GRPO's; prompt groups whose scores carry no signal (all equal) or whose mean
+    lies outside (low, high) are dropped, and GRPO trains on the rest (EasyR1's online_filtering semantics)."""
+
+    enabled: bool = Field(False, description="Filter the training prompts before GRPO; off by default.")
+    num_samples: int = Field(8, ge=2, description="Completions per prompt (use grpo.args.num_generations to see "
+                                                  "the groups GRPO will see).")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; default: GRPO's "
+                                                              "(grpo.args.temperature, TRL's default 1.0).")
+    max_new_tokens: PositiveInt | None = Field(None, description="Tokens per completion; default: GRPO's "
+                                                                 "max_completion_length.")
+    reward: str = Field("overall", description="What a group is judged by: overall (the weighted sum of "
+                                               "grpo.rewards GRPO's advantages come from; EasyR1's filter_key) or the "
+                                               "name of one of grpo.rewards.")
+    low: float | None = Field(None, description="Keep a prompt only if its group's mean score is above this "
+                                                "(EasyR1's filter_low, 0.01 there for a 0/1 accuracy). Default: no bound.")
+    high: float | None = Field(None, description="Keep a prompt only if its group's mean score is below this "
+                                                 "(EasyR1's filter_high, 0.99 there). Default: no bound.")
+    batch_size: PositiveInt = Field(8, description="Prompts per generate call while sampling.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DifficultyFilterConfig:
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie between them")
+        return self
 
 
 class GRPOStageConfig(StageConfig):
@@ -353,12 +385,19 @@ class GRPOStageConfig(StageConfig):
     sft_adapter: Literal["merge", "continue"] = Field(
         "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
                              "full or with a new grpo.peft), or continue training that adapter.")
+    difficulty_filter: DifficultyFilterConfig = Field(
+        default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards carry "
+        "no signal before GRPO trains (dynamic sampling, offline); off by default.")
 
     @model_validator(mode="after")
     def _adapter_mode(self) -> GRPOStageConfig:
         if self.sft_adapter == "continue" and self.peft is not None:
             raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove grpo.peft, "
                              "or use sft_adapter: merge to add a new adapter on the merged model")
+        names = [r.name for r in self.rewards]
+        if self.difficulty_filter.reward not in ("overall", *names):
+            raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor one of "
+                             f"grpo.rewards {names}; name one of them")
         return self
 
 
@@ -407,6 +446,29 @@ class EvalConfig(Section):
         None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's and "
                           "verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their figures. "
                           "Default: the grader of grpo.rewards' math entry, else math_verify.")
+    every_steps: int | None = Field(
+        None, ge=0, description="Validate during SFT, DPO and GRPO every N optimizer steps and at the last step: "
+        "generate on the first eval.during_training_samples held-out records in the stage process and score them "
+        "with this evaluation's scorers, logged to the stage's MLflow run as val/<metric> at that step. 0 or null: "
+        "off (the default).")
+    during_training_samples: PositiveInt = Field(
+        64, description="Held-out records each validation during training generates on (the first N of the "
+        "sampled held-out file); with max_new_tokens and during_training_n it bounds a validation's cost.")
+    during_training_n: PositiveInt = Field(
+        1, description="Completions per record in a validation during training. 1: one completion (greedy at "
+        "temperature 0), logged as val/<metric>. N > 1: N samples at during_training_temperature, logged as "
+        "val/<metric>/mean_at_N (the metric averaged over the N samples) and val/<metric>/best_at_N (each "
+        "record's best-scoring sample): verl's mean@N and best@N, named so MLflow accepts them.")
+    during_training_temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of validation during training; 0 = greedy (needs "
+        "during_training_n: 1).")
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> EvalConfig:
+        if self.during_training_n > 1 and self.during_training_temperature == 0:
+            raise ValueError(f"during_training_n: {self.during_training_n} greedy completions of one record are all "
+                             "the same; set during_training_temperature > 0 (e.g. 1.0), or during_training_n: 1")
+        return self
 
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
@@ -426,6 +488,19 @@ class ExportConfig(Section):
                                                     "takes the `champion` alias.")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a higher or a lower "
                                                                                "metric is better.")
+    registration: Literal["auto", "copy", "reference"] = Field(
+        "auto", description="How the export is registered: copy (its files uploaded into MLflow), reference (the "
+                            "version points at them where they are: a hard-linked snapshot in the output folder, or "
+                            "export.reference_uri), or auto: copy up to export.copy_max_gib, reference above.")
+    copy_max_gib: float = Field(1.0, gt=0, description="auto: the largest export (GiB) registered by copy.")
+    reference_uri: str | None = Field(None, description="reference: where the version points instead of a snapshot, "
+                                                        "e.g. s3://bucket/models/demo-v7; it must hold this export "
+                                                        "(its manifest.json is compared).")
+    checkpoint: Literal["last", "best"] = Field(
+        "last", description="What is exported and registered: last, the last trained stage's final model; best, "
+        "that stage's checkpoint with the best validation during training (export.metric in export.direction, "
+        "as val/<metric>, or val/<metric>/mean_at_N with eval.during_training_n > 1), which is kept out of "
+        "checkpoint rotation. best needs eval.every_steps.")
 
     @field_validator("metric")
     @classmethod
@@ -448,6 +523,11 @@ class TrackingConfig(Section):
     completions_every: int = Field(10, ge=0, description="Log a table of sample GRPO completions with their "
                                                          "rewards every N steps (0 = never).")
     completions_per_table: PositiveInt = Field(8, description="Completions per table.")
+    system_metrics: bool = Field(True, description="Sample CPU, memory, disk and network use, and GPU use and "
+                                 "memory where a GPU is present (needs nvidia-ml-py: the gpu extra), into each "
+                                 "training stage's run: MLflow's System metrics tab. false: none.")
+    system_metrics_seconds: float = Field(10, gt=0, description="Seconds between system-metric samples "
+                                                                "(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins).")
 
 
 class PipelineConfig(Section):

@@ -5,7 +5,8 @@ the file:line (or override) that set it. Two kinds:
 
 - `check_names` always runs. It reads nothing and runs no user code: reward names against the registry,
   sampling strategies and a source's `columns` against the data package. It works on the raw mapping, entry
-  by entry, so its problems come with the schema's own, all at once.
+  by entry, so its problems come with the schema's own, all at once. `check_sections` (always run too, on the
+  validated config) checks what one section asks of another, naming the field that asks.
 - The checks with side effects run only when the loader is asked to: `check_trl_config` builds TRL's argument
   classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child process
   (its top-level code runs there), and `vlmexp.path_checks` probes the file system.
@@ -27,7 +28,7 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
     """Reward names and data sources of a raw (merged, overridden) config mapping; entries the schema refuses
     are left to the schema's own problems."""
     from vlmexp.data.sources import check_source
-    from vlmexp.rewards import check_reward_name
+    from vlmexp.rewards import DEFAULT_MATCHES, check_reward_name
 
     out: list[Found] = []
     for loc, spec in _entries(raw, ("grpo", "rewards"), RewardSpec):
@@ -37,6 +38,10 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
             out.append(((*loc, "name"), spec.name, str(e)))
         if spec.name == "math" and "grader" in spec.kwargs:  # refused before any work, with the install hint
             out += _grader_problem((*loc, "kwargs", "grader"), spec.kwargs["grader"])
+        if spec.name == "exact" and spec.kwargs.get("default_match", "vlm_r1") not in DEFAULT_MATCHES:
+            out.append(((*loc, "kwargs", "default_match"), spec.kwargs["default_match"],
+                        f"how the exact reward scores accu_reward_method 'default': one of {', '.join(DEFAULT_MATCHES)} "
+                        "(vlm_r1: VLM-R1's default_accuracy_reward, partial credit; exact: equality)"))
     grader = (raw.get("eval") or {}).get("math_grader") if isinstance(raw.get("eval"), dict) else None
     if grader is not None:
         out += _grader_problem(("eval", "math_grader"), grader)
@@ -54,6 +59,28 @@ def _grader_problem(loc: Loc, grader: Any) -> list[Found]:
     except ValueError as e:
         return [(loc, grader, str(e))]
     return []
+
+
+def check_sections(cfg: Config) -> list[Found]:
+    """What one section asks of another (pure, always run): validation during training needs held-out records;
+    exporting the best checkpoint needs validation during training, and checkpoints saved by step."""
+    out: list[Found] = []
+    d, every = cfg.data, cfg.eval.every_steps
+    held_out = d.demo is not None or any(x is not None for x in (d.val_datasets, d.val_data_yaml, d.val_fraction))
+    if every and not held_out:
+        out.append((("eval", "every_steps"), every, "validation during training needs held-out records: set "
+                    "data.val_datasets, data.val_data_yaml or data.val_fraction, or eval.every_steps: 0"))
+    if cfg.export.checkpoint == "best":
+        if not every:
+            out.append((("export", "checkpoint"), "best", "export.checkpoint: best picks the checkpoint with the best "
+                        "validation during training, and eval.every_steps is off: set eval.every_steps (e.g. 25), or "
+                        "export.checkpoint: last"))
+        for stage in TRAINING_STAGES:
+            if getattr(cfg, stage).enabled and getattr(cfg, stage).args.get("save_strategy") == "no":
+                out.append(((stage, "args", "save_strategy"), "no", "export.checkpoint: best keeps the best "
+                            "validation's checkpoint, and save_strategy 'no' keeps none: remove it, or "
+                            "export.checkpoint: last"))
+    return out
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from vlmexp.config import Config
-from vlmexp.config_checks import check_names, check_reward_imports, check_trl_config
+from vlmexp.config_checks import check_names, check_reward_imports, check_sections, check_trl_config
 from vlmexp.config_compose import EXTENDS, origin_of, read_composed
 from vlmexp.errors import ConfigError, Problem, change_the_value, short
 from vlmexp.yaml_reader import Loc, YamlProblems, parse_yaml
@@ -61,6 +61,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
                      if not (err["type"] == "finite_number" and _clean(err["loc"]) in non_finite)]
     found = check_names(raw)
     if cfg is not None:
+        found += check_sections(cfg)
         found += (check_trl_config(cfg) if check_trl else []) + (check_reward_imports(cfg) if import_rewards else [])
     if cfg is not None and check_paths:
         from vlmexp.path_checks import check_config_paths

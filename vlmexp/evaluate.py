@@ -11,10 +11,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmexp.config import Config
 from vlmexp.errors import short
+
+if TYPE_CHECKING:
+    from vlmexp.data.record import SampledRecord
 
 log = logging.getLogger("vlmexp.eval")
 
@@ -36,31 +39,28 @@ def build_scorers(rewards: Sequence[Any], frame: str, budget: Any, prefilled_thi
     return {name: build_reward(name, kwargs.get(name, {}), frame, budget, prefilled_think) for name in SCORERS}
 
 
-def score_records(records: Sequence[dict[str, Any]], completions: Sequence[str], frame: str, budget: Any,
+def score_records(records: Sequence[SampledRecord], completions: Sequence[str], frame: str, budget: Any,
                   rewards: Sequence[Any] = (), prefilled_think: bool = False,
                   math_grader: str | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
-    with the columns GRPO gives them. Metrics exist only for the tasks present; unparsable answers score 0.
-    Detection records also give detection_ap / detection_ap50: COCO AP over all of them at once."""
-    from vlmexp.data.formats import parse_record
+    with the columns GRPO gives them (`reward_columns`). Metrics exist only for the tasks present; unparsable
+    answers score 0. Detection records also give detection_ap / detection_ap50: COCO AP over all of them at once."""
+    from vlmexp.data.record import columns_of
     from vlmexp.rewards import extract_answer
 
-    examples = [parse_record(r, r["record_format"], r["task"]) for r in records]
-    columns = {"solution": [json.dumps(e.solution) if e.task == "rec" else str(e.solution) for e in examples],
-               "task": [e.task for e in examples], "accu_reward_method": [e.method for e in examples],
-               "image_sizes": [r.get("image_sizes") for r in records]}
     texts = list(completions)
     if len(texts) != len(records):
         raise ValueError(f"{len(records)} records but {len(texts)} completions")
+    columns = columns_of(records)
     scorers = build_scorers(rewards, frame, budget, prefilled_think, math_grader)
     scored = {name: fn(completions=texts, **columns) for name, fn in scorers.items()}
     rows, per_task = [], {"rec": [], "math": [], "exact": [], "detection": []}
-    for i, (record, example, text) in enumerate(zip(records, examples, texts, strict=True)):
-        score = scored[{"rec": "iou"}.get(example.task, example.task)][i]
-        per_task[example.task].append(score)
-        rows.append({"image": (record.get("image_paths") or example.images or [""])[0], "task": example.task,
-                     "problem": example.problem, "solution": columns["solution"][i], "completion": text,
-                     "answer": extract_answer(text), "format": scored["format"][i], "score": score})
+    for i, (record, text) in enumerate(zip(records, texts, strict=True)):
+        score = scored[{"rec": "iou"}.get(record.task, record.task)][i]
+        per_task[record.task].append(score)
+        rows.append({"image": (record.images or [""])[0], "task": record.task, "problem": record.problem,
+                     "solution": columns["solution"][i], "completion": text, "answer": extract_answer(text),
+                     "format": scored["format"][i], "score": score})
     metrics: dict[str, float] = {"count": float(len(rows))}
     if rows:
         metrics["format_rate"] = sum(scored["format"]) / len(rows)
@@ -92,70 +92,56 @@ def detection_metrics(reward: Any, texts: Sequence[str], columns: dict[str, list
     return {"detection_ap": coco_ap(images, AP_THRESHOLDS), "detection_ap50": coco_ap(images, AP_THRESHOLDS[:1])}
 
 
-def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[dict], list[str]]:
+def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[SampledRecord], list[str]]:
     """(records, completions) of a predictions JSONL: each line a data record in any format the sampler
-    reads, with `completion`. Records already sampled keep their image sizes; others get them read from
-    their images (relative paths join `image_root`, default the file's folder). All problems at once."""
-    from vlmexp.data.formats import FORMATS, detect_format, parse_record
+    reads (or a line of a sampled file), with the model's output as `completion`, normalised as the sampler
+    normalises (vlmexp.data.normalise): its images are read and checked (relative paths join `image_root`,
+    default the file's folder). `completion` is the output, never the record's: a prompt-completion record
+    gives its reference answer as `solution`. All problems at once."""
+    from vlmexp.data.formats import detect_format, no_format
     from vlmexp.data.images import ImageStore
+    from vlmexp.data.normalise import Origin, normalise
+    from vlmexp.data.record import from_dict
     from vlmexp.data.sources import read_records
     from vlmexp.errors import DataError, Problem
 
     root = str(Path(image_root or Path(path).parent).resolve())
     store, problems, records, completions = ImageStore(None), [], [], []
-    for where, record in read_records(path):
-        completion = record.get("completion")
+    for row, (where, line) in enumerate(read_records(path)):
+        completion = line.get("completion")
         if not isinstance(completion, str):
             problems.append(Problem(where, "completion", "each line needs the model's output as a string "
                                     "`completion`", completion))
             continue
-        fmt = record.get("record_format") or detect_format(record)
-        if fmt not in FORMATS:
-            problems.append(Problem(where, "", f"unknown record format (fields: {sorted(record)}); expected one of "
-                                               f"{', '.join(FORMATS)}: see docs/data-formats.md"))
-            continue
+        record = {k: v for k, v in line.items() if k != "completion"}  # the data record the output answers
         try:
-            example = parse_record(record, fmt, record.get("task"))
-        except ValueError as e:
-            problems.append(Problem(where, "", str(e)))
+            if "schema" in record:  # a line of a sampled file (`vlmexp sample`) with a completion added
+                done = from_dict(record, where), 0
+            elif (found := detect_format(record)) is None:
+                raise ValueError(no_format(record))
+            else:
+                done = normalise(record, found[0], None, where, root, store, Origin(str(path), "", row))
+        except (ValueError, TypeError) as e:
+            done = Problem(where, "", str(e))
+        if isinstance(done, Problem):
+            problems.append(done)
             continue
-        sizes = record.get("image_sizes")
-        if example.task == "rec" and not sizes:
-            found = [store.resolve(ref, root) for ref in example.images[:1]]
-            if bad := [s for s in found if isinstance(s, str)]:
-                problems += [Problem(where, "image", msg) for msg in bad]
-                continue
-            sizes = [list(s[1]) for s in found]
-        records.append({**record, "record_format": fmt, "task": example.task, "image_sizes": sizes or []})
+        records.append(done[0])
         completions.append(completion)
     if problems:
         raise DataError(problems, title=f"invalid predictions file {path}")
     return records, completions
 
 
-SAMPLED_FIELDS = ("record_format", "task", "image_paths", "image_sizes")
-
-
 def check_sampled_records(path: str | Path) -> None:
     """Refuse a records file for `vlmexp eval --records` that `vlmexp sample` did not write (or that was
-    changed since): every line a record with the sampled fields, readable as its format, its images present.
-    Raises DataError listing every problem."""
-    from vlmexp.data.formats import parse_record
-    from vlmexp.data.sources import read_records
+    changed since, or whose images are gone). Raises DataError naming the file, the record and the fix."""
+    from vlmexp.data.record import read_sampled
     from vlmexp.errors import DataError, Problem
 
-    problems = []
-    for where, record in read_records(path):
-        missing = [k for k in SAMPLED_FIELDS if k not in record]
-        try:
-            if missing:
-                raise ValueError(f"missing the sampled fields {missing}; write the file with `vlmexp sample`")
-            parse_record(record, record["record_format"], record["task"])
-            paths = record["image_paths"]
-            if not isinstance(paths, list) or not all(isinstance(x, str) and Path(x).is_file() for x in paths):
-                raise ValueError(f"image_paths {short(paths)} are not all existing files; sample the data again")
-        except (ValueError, KeyError, TypeError) as e:
-            problems.append(Problem(where, "", str(e)))
+    problems = [Problem(f"{path}:{n}", "images", f"{short(r.images)} are not all existing files; sample the data "
+                        "again") for n, r in enumerate(read_sampled(path), start=1)
+                if not all(Path(x).is_file() for x in r.images)]
     if problems:
         raise DataError(problems[:50], title=f"invalid records file {path}")
 
@@ -196,10 +182,8 @@ def generate(model, processor, family, prompts: list[list[dict]], images: list[l
         batch_prompts, batch_images = prompts[start:start + batch_size], images[start:start + batch_size]
         texts = []
         for messages, imgs in zip(batch_prompts, batch_images, strict=True):
-            *head, user = messages
-            content = [{"type": "image"} for _ in imgs] + [{"type": "text", "text": user["content"]}]
-            texts.append(processor.apply_chat_template([*head, {"role": "user", "content": content}],
-                                                       tokenize=False, add_generation_prompt=True))
+            texts.append(processor.apply_chat_template(with_image_parts(messages, len(imgs)), tokenize=False,
+                                                       add_generation_prompt=True))
         inputs = processor(text=texts, images=[im for imgs in batch_images for im in imgs] or None,
                            padding=True, return_tensors="pt").to(model.device)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
@@ -211,23 +195,33 @@ def generate(model, processor, family, prompts: list[list[dict]], images: list[l
     return out
 
 
+def with_image_parts(messages: list[dict], images: int) -> list[dict]:
+    """`messages` with one image part per image at the start of the first user turn, where TRL's
+    `prepare_multimodal_messages` puts them in training (trl/data_utils.py)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    user = messages[first]
+    content = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": user["content"]}]
+    return [*messages[:first], {**user, "content": content}, *messages[first + 1:]]
+
+
 def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: str | Path) -> EvalResult:
     """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
     from transformers import set_seed
 
-    from vlmexp.files import atomic_write, read_jsonl
+    from vlmexp.data.record import read_sampled
+    from vlmexp.files import atomic_write
     from vlmexp.modeling import load_for_inference
     from vlmexp.processor import prefills_think
     from vlmexp.prompts import build_prompt, load_images
 
     set_seed(cfg.run.seed)
-    records = read_jsonl(records_path)
+    records = read_sampled(records_path)
     if cfg.eval.max_samples:
         records = records[: cfg.eval.max_samples]
     model, processor, family = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
-    completions = generate(model, processor, family, prompts, [load_images(r) for r in records], cfg.eval.max_new_tokens,
-                           cfg.eval.temperature, cfg.eval.batch_size)
+    completions = generate(model, processor, family, prompts, [load_images(r.images) for r in records],
+                           cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
                                   cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader)
     for row, prompt in zip(rows, prompts, strict=True):

@@ -32,7 +32,21 @@ def _check_sources(sources: list[DataSource], loc: tuple, origin: str | None = N
             out.append(((*loc, i, "json_path"), src.json_path, f"no file matches this glob{where}; fix json_path"))
         if src.image_root and not Path(src.image_root).is_dir():
             out.append(((*loc, i, "image_root"), src.image_root, f"folder not found{where}; fix image_root"))
+        if src.dataset is not None and found.kind != "hub":
+            out += [((*loc, i, "dataset"), src.dataset, f"{p.message}{where}") for p in _llamafactory(src)]
     return out
+
+
+def _llamafactory(src: DataSource) -> list:
+    """The problems of a source naming a LLaMA-Factory folder's dataset (vlmexp.data.llamafactory), if any."""
+    from vlmexp.data.llamafactory import resolve
+    from vlmexp.errors import DataError
+
+    try:
+        resolve(src)
+    except DataError as e:
+        return e.problems
+    return []
 
 
 def _check_yaml(path: str | None, loc: tuple) -> list[Found]:

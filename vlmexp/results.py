@@ -24,7 +24,7 @@ class SampledData(Result):
     resolved: str  # <output_dir>/config.resolved.yaml, committed once the data sampled cleanly
     train: str  # sampled train.jsonl
     val: str | None  # sampled val.jsonl; None when the config holds no records out
-    hash: str  # the data manifest's sha256: what the stage keys depend on
+    hash: str  # the sampled data's content digest (PreparedData.content_sha256): what the stage keys depend on
     base_model: str  # the folder (or hub id) the first stage starts from
 
 
@@ -37,6 +37,7 @@ class StageResult(Result):
     run_id: str  # its MLflow child run ("" with tracking off)
     seconds: float
     flow_run_id: str = ""  # the Prefect flow run that trained it (a later run that reads it from cache differs)
+    validation: dict[str, Any] | None = None  # validation during training: <stage>/validation.json, else None
 
     @property
     def output(self) -> str:
@@ -91,22 +92,52 @@ class PipelineResult(Result):
         """The model `stage` starts from; None: the base model (which the stage resolves from the config)."""
         return None if stage == "sft" or not self.trained else self.model
 
-    def candidates(self) -> list[tuple[str, str, str]]:
-        """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's."""
-        return [("base", self.data.base_model, "")] + [(s.stage, s.final, s.key) for s in self.trained]
+    def candidates(self, checkpoint: str = "last") -> list[tuple[str, str, str]]:
+        """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's, then
+        with `checkpoint` "best" (export.checkpoint) the last stage's best checkpoint, as `<stage>-best`."""
+        out = [("base", self.data.base_model, "")] + [(s.stage, s.final, s.key) for s in self.trained]
+        if checkpoint == "best" and self.trained:
+            last = self.trained[-1]
+            out.append((f"{last.stage}-best", self.exported(checkpoint)[0], last.key))
+        return out
 
-    def metric(self, name: str) -> float | None:
-        """The newest model's evaluation metric `name` (None without evaluation)."""
-        last = self.candidates()[-1][0]
-        return next((e.metrics.get(name) for e in self.evaluations if e.name == last), None)
+    def metrics(self, checkpoint: str = "last") -> dict[str, int | float]:
+        """The exported model's evaluation metrics ({} without evaluation): the newest model's, or with `checkpoint`
+        "best" (export.checkpoint) the last stage's best checkpoint's (`<stage>-best`)."""
+        exported = self.candidates(checkpoint)[-1][0]
+        return next((dict(e.metrics) for e in self.evaluations if e.name == exported), {})
 
-    def provenance(self) -> dict[str, Any]:
-        """What an exported model's manifest records about how it was made."""
+    def metric(self, name: str, checkpoint: str = "last") -> float | None:
+        """The exported model's evaluation metric `name` (None without evaluation)."""
+        return self.metrics(checkpoint).get(name)
+
+    def exported(self, checkpoint: str) -> tuple[str, dict[str, Any]]:
+        """(model folder, why) of what export.checkpoint picks from the last trained stage: "last", its final
+        model; "best", its checkpoint with the best validation during training. `why`: the stage, step, metric
+        and value, and the reason in words (the export manifest's `checkpoint`)."""
+        last = self.trained[-1]
+        v = last.validation or {}
+        why = {"choice": checkpoint, "stage": last.stage, "metric": v.get("metric"), "direction": v.get("direction")}
+        if checkpoint == "last":
+            return last.final, {**why, "step": v.get("last_step"), "value": v.get("last_value"),
+                                "reason": "export.checkpoint: last, the stage's final model"}
+        if not v.get("best_checkpoint"):
+            raise ValueError(f"export.checkpoint: best, but the {last.stage} stage recorded no best checkpoint "
+                             f"({last.final}/../validation.json: {v or 'missing'}); train it with eval.every_steps on")
+        steps = len(v["history"])
+        reason = (f"export.checkpoint: best: {v['metric']} {v['best_value']:.4f} at step {v['best_step']}, the best "
+                  f"({v['direction']}) of {steps} validations during training; the last, at step {v['last_step']}, "
+                  f"gave {v['last_value']:.4f}")
+        return v["best_checkpoint"], {**why, "step": v["best_step"], "value": v["best_value"], "reason": reason}
+
+    def provenance(self, checkpoint: str = "last") -> dict[str, Any]:
+        """What an exported model's manifest records about how it was made, and which checkpoint and why."""
         from vlmexp.provenance import git_commit
 
-        return {"stage_key": self.upstream_key, "data_manifest_sha256": self.data.hash, "git_commit": git_commit(),
+        return {"stage_key": self.upstream_key, "data_content_sha256": self.data.hash, "git_commit": git_commit(),
                 "mlflow_parent_run_id": self.mlflow_run_id,
-                "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained}, "evaluation": self.evaluation}
+                "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained}, "evaluation": self.evaluation,
+                "checkpoint": self.exported(checkpoint)[1]}
 
 
 def comparison_table(evaluations: list[Evaluation]) -> list[dict[str, Any]]:

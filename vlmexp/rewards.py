@@ -225,10 +225,15 @@ class MathReward(Reward):
         return self.fail("unparsable_answer") if correct is None else float(correct)
 
 
+DEFAULT_MATCHES = ("vlm_r1", "exact")  # how the exact reward scores accu_reward_method "default"
+
+
 @dataclass
 class ExactReward(Reward):
     """Text answers, scored per record by its `accu_reward_method` column (vlmexp.answers):
-    default: equal after normalising case, spaces and punctuation, or the same choice letter ("B", "(B)").
+    default: as VLM-R1's default_accuracy_reward (math-verify, then numbers, a choice letter, or the Levenshtein
+    ratio: partial credit); with default_match "exact", equal after normalising case, spaces and punctuation, or
+    the same choice letter ("B", "(B)").
     mcq / yes_no: the choice letter / yes or no the answer names, against the solution's.
     all_match: equal after VLM-R1's clean_text (lower case, a final '.' dropped)."""
 
@@ -236,6 +241,11 @@ class ExactReward(Reward):
     tasks: ClassVar[tuple[str, ...]] = ("exact",)
     reasons: ClassVar[tuple[str, ...]] = ("no_answer", "no_choice")
     answer_tag: str = "answer"
+    default_match: str = "vlm_r1"
+
+    def __post_init__(self) -> None:
+        if self.default_match not in DEFAULT_MATCHES:
+            raise ValueError(f"default_match {self.default_match!r} is not one of {', '.join(DEFAULT_MATCHES)}")
 
     def score(self, text: str, solution: Any = None, accu_reward_method: Any = None,
               **sample: Any) -> float | Unparsable | None:
@@ -251,6 +261,9 @@ class ExactReward(Reward):
             return float(answers.clean_text(text, self.answer_tag) == answers.clean_text(str(solution)))
         if method != "default":
             raise ValueError(f"unknown answer method {method!r}; sample the records again with `vlmexp sample`")
+        if self.default_match == "vlm_r1":
+            score = answers.vlm_r1_default(text, str(solution), self.answer_tag)
+            return self.fail("no_choice") if score is None else score
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")

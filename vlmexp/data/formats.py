@@ -1,32 +1,61 @@
-"""Record formats a source may use, detected per source from its first record.
+"""Record formats a source may use, detected per source from its first record (after its `columns`).
+
+Every format reduces to an Example (the question, the answer, how it is scored, images as written); the
+sampler then checks the images and writes the SampledRecord (vlmexp.data.normalise). Formats, by anchor:
 
 (a) "rec": VLM-R1 REC, {"image", "problem", "solution": [x1, y1, x2, y2]} (box in original pixels; the
     solution may be a string holding the list or <answer>[...]</answer>); optional "demonstration": another
     box, the one SFT imitates (an annotator's), while rewards and evaluation score against the solution.
-(b) "conversations": VLM-R1 JSONL, {"id", "image": str | list, "conversations": [{"from": "human",
-    "value": "<image>..."}, {"from": "gpt", "value": "..."}]}, optional "accu_reward_method".
+(b) "conversations": VLM-R1 JSONL and LLaMA-Factory sharegpt, {"image" or "images", "conversations": [{"from":
+    "human", "value": "<image>..."}, {"from": "gpt", "value": "..."}, ...]}, optional "accu_reward_method"; a
+    LLaMA-Factory preference record adds "chosen" / "rejected" messages after a conversation ending in a user turn.
 (c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [image, ...]}.
 (d) "pairs": preference pairs for DPO (RLAIF-V / VLFeedback style), {"image" or "images", "question" or
-    "problem", "chosen", "rejected"}; the solution is the chosen answer, task "exact" by default.
+    "problem", "chosen", "rejected"} as strings; the solution is the chosen answer.
+(e) "messages": TRL's conversational language modeling, LLaMA-Factory's OpenAI-style sharegpt and ms-swift's
+    standard format, {"messages": [{"role", "content"}, ...], "images"}; ms-swift's "rejected_response" and
+    LLaMA-Factory's "chosen" / "rejected" make it a preference record.
+(f) "prompt_completion": TRL's conversational prompt-completion, {"prompt": [messages], "completion":
+    [assistant message], "images"}.
+(g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}.
+(h) "prompt_only": TRL's prompt-only (GRPO), {"prompt": [messages], "image" or "images", "solution" or "answer"}.
+(i) "alpaca": LLaMA-Factory's alpaca, {"instruction", "input", "output", "history": [[instruction, response]],
+    "images"}; its preference form has "chosen" / "rejected" strings instead of "output".
 
+Conversations are read by vlmexp.data.turns (roles, typed content parts, `<image>` tags, turn order).
 An image is a path, a `{bytes, path}` struct (a `datasets.Image` as parquet and Arrow store it), raw bytes
-or a PIL image (vlmexp.data.images). A source's `columns` renames its columns to these field names first.
+or a PIL image (vlmexp.data.images).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmexp.config import TASKS
 from vlmexp.coords import parse_box
+from vlmexp.data.turns import Conversation, Tags, Turn, answer_text, conversation, read_turns, text_of
 
-FORMATS = ("rec", "conversations", "easyr1", "pairs")
-DEFAULT_TASK = {"rec": "rec", "conversations": "exact", "easyr1": "math", "pairs": "exact"}
-# Formats whose records carry an answer written out for a model to imitate (SFT trains on it as written): a
-# pairs record's chosen answer, a conversation's gpt turn. The others hold a ground truth to score against
-# (EasyR1's `answer`; a rec record's box, from which SFT builds its target).
-ANSWER_TEXT = {"pairs": "chosen", "conversations": "the gpt turn"}
+# the fields that make a record one format (what `vlmexp sample --explain` shows and a record fitting none is
+# compared against), in the order formats are tried
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompt_completion": ("prompt", "completion"),
+    "prompt_only": ("prompt", "solution or answer"),
+    "messages": ("messages",),
+    "conversations": ("conversations",),
+    "alpaca": ("instruction", "output or chosen / rejected"),
+    "pairs": ("image or images", "question or problem", "chosen", "rejected"),
+    "easyr1": ("problem", "answer", "images"),
+    "rec": ("image", "problem", "solution"),
+}
+FORMATS = tuple(FORMAT_FIELDS)
+DEFAULT_TASK = {**{fmt: "exact" for fmt in FORMATS}, "rec": "rec", "easyr1": "math"}
+# What each format's records carry for SFT to imitate as written. The others hold a ground truth to score
+# against (EasyR1's `answer`; a rec record's box, from which SFT builds its target; a prompt-only record's
+# solution).
+ANSWER_TEXT = {"pairs": "chosen", "preference": "chosen", "conversations": "the last assistant turn",
+               "messages": "the last assistant turn", "prompt_completion": "the completion", "alpaca": "the output"}
 # accu_reward_method values of VLM-R1 JSONL data (om-ai-lab/VLM-R1, src/open-r1-multimodal/src/open_r1/
 # grpo_jsonl.py, accuracy_reward) -> our task; the method itself travels with the record (Example.method) and
 # picks the scoring within the task (vlmexp.answers, vlmexp.detection). Any other value is refused.
@@ -40,65 +69,157 @@ REFUSED_METHODS = {  # methods VLM-R1 defines that vlmexp does not run, and why
            "`module:function` reward in grpo.rewards and give the records a method it reads",
 }
 # the field names a source's `columns` mapping may produce
-FIELDS = ("image", "images", "problem", "solution", "answer", "conversations", "accu_reward_method", "task", "id",
-          "chosen", "rejected", "demonstration")
-EXPECTED = ("rec: image, problem, solution; conversations: image, conversations; "
-            "easyr1: problem, answer, images; pairs: image(s), question or problem, chosen, rejected")
+FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages", "prompt",
+          "completion", "system", "instruction", "input", "output", "history", "accu_reward_method", "task", "id",
+          "chosen", "rejected", "rejected_response", "demonstration")
 
 
 @dataclass(frozen=True)
 class Example:
-    """What every format reduces to: images (as written in the record), the question, the answer."""
+    """What every format reduces to before its images are checked (vlmexp.data.normalise makes the
+    SampledRecord from it): images as written in the record, the question, the answer and how it is scored."""
 
     images: list[Any]  # as written in the record: paths, {bytes, path} structs, bytes or PIL images
     problem: str
     solution: Any  # a box (list of 4 floats) for rec, else a string
     task: str
-    rejected: str | None = None  # the dispreferred answer of a "pairs" record (solution is the chosen one)
-    method: str | None = None  # how the answer is scored within the task (ACCU_TASK); None only for pairs
+    method: str | None  # how the answer is scored within the task (ACCU_TASK)
+    target: str | None = None  # the answer text SFT imitates as written (ANSWER_TEXT)
+    rejected: str | None = None  # the dispreferred answer of a preference record
+    demonstration: list[float] | None = None  # rec: the box SFT imitates (an annotator's)
+    id: str | None = None  # the record's own id field
+    system: str | None = None  # the record's own system message
+    history: list[dict[str, str]] = field(default_factory=list)  # turns before the last user turn
 
 
-def detect_format(record: dict[str, Any]) -> str | None:
-    if "chosen" in record or "rejected" in record:
-        return "pairs"
-    if "conversations" in record:
-        return "conversations"
-    if "answer" in record and "images" in record:
-        return "easyr1"
-    if "solution" in record and "problem" in record:
-        return "rec"
+def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """(the record's format, the fields that decided it), or None when it fits none (`no_format`)."""
+    has = [k for k in ("prompt", "completion", "chosen", "rejected", "rejected_response", "messages",
+                       "conversations", "instruction", "output", "answer", "images", "solution", "problem")
+           if k in record]
+    if "prompt" in has:
+        pair = [k for k in ("chosen", "rejected") if k in has]
+        if pair:
+            return "preference", ["prompt", *pair]
+        return ("prompt_completion", ["prompt", "completion"]) if "completion" in has else ("prompt_only", ["prompt"])
+    for key in ("messages", "conversations"):
+        if key in has:
+            return key, [key, *(k for k in ("chosen", "rejected", "rejected_response") if k in has)]
+    if "instruction" in has:
+        return "alpaca", ["instruction", *(k for k in ("output", "chosen", "rejected") if k in has)]
+    if "chosen" in has or "rejected" in has:
+        return "pairs", [k for k in ("chosen", "rejected") if k in has]
+    if "answer" in has and "images" in has:
+        return "easyr1", ["answer", "images"]
+    if "solution" in has and "problem" in has:
+        return "rec", ["problem", "solution"]
     return None
 
 
-def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
+def formats_tried() -> str:
+    """The formats in the order they are tried, each with the fields that make a record that format."""
+    return "; ".join(f"{fmt} ({', '.join(fields)})" for fmt, fields in FORMAT_FIELDS.items())
+
+
+def no_format(record: dict[str, Any]) -> str:
+    """Why a record fits no format: the formats it was tried against, with their fields, and its own fields."""
+    return (f"unknown record format (fields: {sorted(record)}); tried {formats_tried()}: see docs/data-formats.md, "
+            f"or map the source's columns with `columns:`")
+
+
+def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None) -> Example:
     """The record's Example, or ValueError naming the missing or malformed field and the fix."""
     def need(key: str) -> Any:
         if key not in record or record[key] is None:
-            raise ValueError(f"missing field {key!r} (format {fmt!r} needs {EXPECTED.split(';')[FORMATS.index(fmt)]})")
+            raise ValueError(f"missing field {key!r} (format {fmt!r} needs {', '.join(FORMAT_FIELDS[fmt])})")
         return record[key]
 
-    rejected = None
+    parts: dict[str, Any] = {"rejected": None, "demonstration": None, "target": None}
     if fmt == "pairs":
         images = _as_list(record["image"] if "image" in record else need("images"), "images")
         problem = record["question"] if "question" in record else need("problem")
-        solution, rejected = _pair(need("chosen"), "chosen"), _pair(need("rejected"), "rejected")
-        if solution.strip() == rejected.strip():
-            raise ValueError("chosen and rejected are the same answer, so the pair teaches nothing; drop the record")
+        solution, parts["rejected"] = _pair(need("chosen"), "chosen"), _pair(need("rejected"), "rejected")
+        parts["target"] = solution
     elif fmt == "rec":
         images, problem, solution = _as_list(need("image"), "image"), need("problem"), need("solution")
     elif fmt == "easyr1":
         images, problem, solution = _as_list(need("images"), "images"), need("problem"), need("answer")
         problem = _strip_image_tags(problem, len(images), "problem")
     else:
-        turns = need("conversations")
-        if not isinstance(turns, list) or len(turns) < 2:
-            raise ValueError("field 'conversations' must list a human turn and a gpt turn")
-        human = next((t for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
-        gpt = next((t for t in turns if isinstance(t, dict) and t.get("from") == "gpt"), None)
-        if human is None or gpt is None or "value" not in human or "value" not in gpt:
-            raise ValueError("field 'conversations' needs {'from': 'human', 'value'} and {'from': 'gpt', 'value'}")
-        images = _as_list(record.get("image", []), "image")
-        problem, solution = _strip_image_tags(str(human["value"]), len(images), "human turn"), gpt["value"]
+        images, problem, solution, parts = _conversational(record, fmt, need, tags or Tags())
+    if parts["rejected"] is not None and parts["target"] is not None and \
+            parts["target"].strip() == parts["rejected"].strip():
+        raise ValueError("chosen and rejected are the same answer, so the pair teaches nothing; drop the record")
+    method, task = _method_and_task(record, task, fmt)
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError("the question (problem) is empty; give each record a question")
+    if task == "rec":
+        solution, parts["demonstration"] = _boxes(record, solution)
+    else:
+        solution = str(solution)
+        _check_solution(solution, method, len(images))
+    record_id = None if record.get("id") is None else str(record["id"])
+    return Example(images=images, problem=problem, solution=solution, task=task, method=method, id=record_id,
+                   **parts)
+
+
+def _conversational(record: dict[str, Any], fmt: str, need, tags: Tags) -> tuple[list, str, Any, dict[str, Any]]:
+    """(images, problem, solution, the Example's other parts) of a conversational record: the turns read by
+    vlmexp.data.turns, the answer after the last user turn (or a preference record's chosen one) as SFT's
+    target, a `solution` / `answer` column (else that answer) as what rewards grade."""
+    key = {"conversations": "conversations", "messages": "messages", "alpaca": "instruction"}.get(fmt, "prompt")
+    turns = _alpaca_turns(record, need) if fmt == "alpaca" else read_turns(need(key), key, tags)
+    if fmt == "prompt_completion":
+        turns = [*turns, Turn("assistant", answer_text(need("completion"), "completion", tags), 0)]
+    conv: Conversation = conversation(turns, key)
+    images = _as_list(record["images"] if "images" in record else record.get("image", []), "images")
+    if conv.image_tags and conv.image_tags != len(images):
+        raise ValueError(f"{key} has {conv.image_tags} <image> tags but the record lists {len(images)} images ("
+                         f"`{{type: image}}` parts count as tags); make them match")
+    chosen_key = "chosen" if "chosen" in record else None
+    rejected_key = next((k for k in ("rejected", "rejected_response") if k in record), None)
+    if fmt == "preference" or chosen_key or rejected_key:
+        if fmt == "preference" or chosen_key:
+            if conv.answer is not None:
+                raise ValueError(f"field {key!r} ends in an assistant turn but the record also has `chosen`; a "
+                                 f"preference record's conversation ends in the user turn the answers reply to")
+            target = answer_text(need("chosen"), "chosen", tags)
+        else:
+            target = conv.answer
+        rejected = answer_text(need(rejected_key or "rejected"), rejected_key or "rejected", tags)
+        if target is None:
+            raise ValueError(f"a preference record needs the chosen answer: the last turn of {key!r} or `chosen`")
+    else:
+        target, rejected = conv.answer, None
+    solution = next((record[k] for k in ("solution", "answer") if record.get(k) is not None), target)
+    if solution is None:
+        raise ValueError(f"no answer to grade: {key!r} ends in a user turn and the record has no `solution` or "
+                         f"`answer`; add the answer column (GRPO grades against it), or map it with `columns:`")
+    problem = conv.problem
+    system = record.get("system") if conv.system is None and isinstance(record.get("system"), str) else conv.system
+    return images, problem, solution, {"rejected": rejected, "demonstration": None, "target": target,
+                                       "system": system, "history": conv.history}
+
+
+def _alpaca_turns(record: dict[str, Any], need) -> list[Turn]:
+    """An alpaca record's turns as LLaMA-Factory builds them (src/llamafactory/data/converter.py,
+    AlpacaDatasetConverter): the `history` pairs, then `instruction` and `input` joined by a newline as the user
+    turn, then `output` (absent in a preference record, whose answers are `chosen` / `rejected`)."""
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):
+        raise ValueError("field 'history' must list [instruction, response] pairs")
+    texts = []
+    for instruction, response in history:
+        texts += [("user", instruction), ("assistant", response)]
+    texts.append(("user", "\n".join(str(v) for v in (need("instruction"), record.get("input")) if v)))
+    if record.get("output") is not None:
+        texts.append(("assistant", record["output"]))
+    return [Turn(role, *text_of(text, f"alpaca {role} turn {i}")) for i, (role, text) in enumerate(texts)]
+
+
+def _method_and_task(record: dict[str, Any], task: str | None, fmt: str) -> tuple[str | None, str]:
+    """The record's scoring method and task: accu_reward_method, the record's or the source's `task`, else the
+    format's default; a contradiction or a task that needs a method is a ValueError."""
     method = _method(record)
     task = record.get("task") if record.get("task") in TASKS else task
     task = task or ACCU_TASK.get(method or "") or DEFAULT_TASK[fmt]
@@ -109,24 +230,23 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None) -> Example:
     if method is None and task != "exact":
         raise ValueError(f"a {task} record needs accu_reward_method, one of "
                          f"{', '.join(m for m, t in ACCU_TASK.items() if t == task)}")
-    if not isinstance(problem, str) or not problem.strip():
-        raise ValueError("the question (problem) is empty; give each record a question")
-    if task == "rec":
-        box = parse_box(solution)
-        if box is None:
-            from vlmexp.data.images import describe
+    return method, task
 
-            raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original pixels")
-        solution = box
-        if record.get("demonstration") is not None and parse_box(record["demonstration"]) is None:
-            from vlmexp.data.images import describe
 
-            raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, x2, y2] "
-                             "in original pixels or drop the field")
-    else:
-        solution = str(solution)
-        _check_solution(solution, method, len(images))
-    return Example(images=images, problem=problem, solution=solution, task=task, rejected=rejected, method=method)
+def _boxes(record: dict[str, Any], solution: Any) -> tuple[list[float], list[float] | None]:
+    """A rec record's solution box and its demonstration box (or None), or ValueError with the fix."""
+    from vlmexp.data.images import describe
+
+    box = parse_box(solution)
+    if box is None:
+        raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original pixels")
+    if record.get("demonstration") is None:
+        return box, None
+    shown = parse_box(record["demonstration"])
+    if shown is None:
+        raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, x2, y2] "
+                         "in original pixels or drop the field")
+    return box, shown
 
 
 def _method(record: dict[str, Any]) -> str | None:

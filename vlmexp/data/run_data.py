@@ -9,16 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmexp.config import Config, DataSource
-from vlmexp.data.sampling import SampleResult, content_sha256, sample_sources
+from vlmexp.data.record import SCHEMA_VERSION, content_sha256, read_sampled
+from vlmexp.data.sampling import SampleResult, sample_sources
 from vlmexp.data.sources import glob_paths, load_data_yaml, locate, resolve_relative, sha256_file
-from vlmexp.files import atomic_write, read_jsonl
+from vlmexp.files import atomic_write
 
 
 @dataclass(frozen=True)
 class PreparedData:
     train: Path
     val: Path | None
-    manifest_sha256: str  # changes when the sampled data changes; not when the data or the checkout moves
+    content_sha256: str  # the sampled records' content digest (train's, with val's when there is one): changes
+    # when the sampled data changes, not when the data or the checkout moves
 
 
 def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
@@ -70,14 +72,17 @@ def prepare_data(cfg: Config, reuse: bool = False) -> PreparedData:
 
 
 def _prepared(train: Path, val: Path | None) -> PreparedData:
-    manifests = [p.with_name(p.stem + ".manifest.json") for p in (train, val) if p is not None]
-    digest = ":".join(portable_manifest_sha256(m) for m in manifests)
-    return PreparedData(train, val, hashlib.sha256(digest.encode()).hexdigest())
+    """The run's sampled files and their content digest: each manifest's `content_sha256` (the one digest of
+    sampled data, vlmexp.data.record), train's alone or train's and val's together."""
+    digests = [json.loads(p.with_name(p.stem + ".manifest.json").read_text())["content_sha256"]
+               for p in (train, val) if p is not None]
+    digest = digests[0] if len(digests) == 1 else hashlib.sha256(":".join(digests).encode()).hexdigest()
+    return PreparedData(train, val, digest)
 
 
 def data_request(cfg: Config, sources: list[DataSource]) -> str:
-    """What sampling reads, as a digest: the data section, the seed, and each local source file's path, size
-    and modification time (a Hub source by its name; images are not looked at)."""
+    """What sampling reads, as a digest: the sampled-record schema, the data section, the seed, and each local
+    source file's path, size and modification time (a Hub source by its name; images are not looked at)."""
     files = []
     for src in sources:
         loc = locate(src.json_path)
@@ -85,7 +90,8 @@ def data_request(cfg: Config, sources: list[DataSource]) -> str:
         found = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else \
             [Path(x) for x in glob_paths(loc.path)] if loc.kind == "shards" else []
         files += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in found]
-    parts = [cfg.data.model_dump(mode="json"), cfg.run.seed, [s.model_dump(mode="json") for s in sources], files]
+    parts = [SCHEMA_VERSION, cfg.data.model_dump(mode="json"), cfg.run.seed, [s.model_dump(mode="json") for s in sources],
+             files]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -104,17 +110,6 @@ def _sampled_for(out: Path, request: str, held_out: bool) -> PreparedData | None
     return _prepared(paths[0], paths[1] if held_out else None)
 
 
-LOCAL_SOURCE_FIELDS = ("json_path", "image_root")  # where the data lives, not what it is
-
-
-def portable_manifest_sha256(manifest_path: Path) -> str:
-    """The hash of a manifest without the paths in it: the same data sampled anywhere gives the same hash."""
-    manifest = json.loads(Path(manifest_path).read_text())
-    manifest.pop("records_sha256", None)  # the file holds absolute image paths; content_sha256 does not
-    manifest["sources"] = [{k: v for k, v in s.items() if k not in LOCAL_SOURCE_FIELDS} for s in manifest["sources"]]
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-
-
 def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[SampleResult, SampleResult]:
     """Move a seeded `fraction` of the sampled rows (at least one) into a validation file."""
     lines = result.path.read_text().splitlines(keepends=True)
@@ -128,7 +123,7 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
     results = []
     for path, rows in ((result.path, len(lines) - n_val), (val_path, n_val)):
         manifest = json.loads(result.manifest_path.read_text())
-        content = content_sha256(read_jsonl(path))
+        content = content_sha256(read_sampled(path))
         manifest.update(rows=rows, records_sha256=sha256_file(path), content_sha256=content,
                         holdout={"fraction": fraction, "split": path.stem})
         mpath = path.with_name(path.stem + ".manifest.json")

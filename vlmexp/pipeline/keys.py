@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from vlmexp.config import Config
+from vlmexp.config import TRAINING_STAGES, Config
 from vlmexp.path_checks import KEY_FILE, foreign_stage_dir
 
 RESOLVED_NAME = "config.resolved.yaml"
@@ -66,10 +66,14 @@ def _digest(*parts: object) -> str:
 def stage_key(cfg: Config, stage: str, data_hash: str, upstream: str = "") -> str:
     """What a stage's result depends on: the output folder (relative to the working directory), the model, the data settings and the sampled
     data, the seed, the stage's own section (sft, grpo, eval or export), the DeepSpeed config, and the
-    upstream stage's key. Tracking, retries and the launcher's process layout do not count."""
+    upstream stage's key; for a training stage with validation during training, the eval section and the
+    metric that picks the best checkpoint. Tracking, retries and the launcher's process layout do not count."""
     section = getattr(cfg, stage).model_dump(mode="json")
-    return _digest(stage, portable_path(cfg.run.output_dir), cfg.model.model_dump(mode="json"),
-                   cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash, upstream)
+    parts = [stage, portable_path(cfg.run.output_dir), cfg.model.model_dump(mode="json"),
+             cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash, upstream]
+    if stage in TRAINING_STAGES and cfg.eval.every_steps:  # validation during training: its metrics, which
+        parts.append([cfg.eval.model_dump(mode="json"), cfg.export.metric, cfg.export.direction])  # checkpoint is best
+    return _digest(*parts)
 
 
 def portable_path(path: str | Path) -> str:

@@ -10,9 +10,12 @@ from typing import Any
 from vlmexp.pipeline.tracker import NullTracker
 
 
-def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]]) -> None:
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]],
+                       dataset: str | Path | None = None, headline: str | None = None) -> None:
     """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
-    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent)."""
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent). Each evaluated
+    model that a stage logged as a model gets its metrics too (`eval/<metric>` on the held-out `dataset`
+    manifest's data, and the `headline` metric as its run's first chart) and is an input of the run."""
     run_id = tracker.start_stage(parent_run_id, "eval")
     for e in evaluations:
         metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
@@ -21,7 +24,24 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
         tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
     tracker.log_table(run_id, table, "evaluation/comparison.json")
     tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    tracker.log_evaluated_models(run_id, {e.model: e.metrics for e in evaluations}, dataset, headline)
     tracker.end(run_id)
+
+
+def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
+    """The parent run's first charts (`tracker.HEADLINE`): `metric` of the newest model, and the reward (GRPO) or
+    reward margin (DPO) of the last such stage at its last step. `run`: vlmexp.results.PipelineResult."""
+    from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD
+
+    values = {f"{HEADLINE}/{metric}": run.metrics()[metric]} if metric in run.metrics() else {}
+    rewarded = [s for s in run.trained if s.stage in HEADLINE_REWARD]
+    if rewarded:
+        key, name = HEADLINE_REWARD[rewarded[-1].stage]
+        history = sorted(tracker.metric_history(rewarded[-1].run_id, key))
+        if history:
+            values[f"{HEADLINE}/{name}"] = history[-1][1]
+    tracker.log_metrics(run.mlflow_run_id, values)
+    return values
 
 
 def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:

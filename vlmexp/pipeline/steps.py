@@ -68,7 +68,9 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
                                  **({f"pairs/{k}": v for k, v in json.loads(counts.read_text()).items()}
                                     if counts.is_file() else {})})
     tracker.end(run_id, "FINISHED")
-    result = StageResult(stage=stage, final=str(stage_dir / "final"), key=key, run_id=run_id, seconds=seconds)
+    summary = stage_dir / "validation.json"  # validation during training: the best checkpoint and its step
+    result = StageResult(stage=stage, final=str(stage_dir / "final"), key=key, run_id=run_id, seconds=seconds,
+                         validation=json.loads(summary.read_text()) if summary.is_file() else None)
     return write_result(stage_dir, result)
 
 

@@ -32,6 +32,16 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
 # bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
 UI_MODEL_TRAINING = "workflowType=machine_learning"
 DIGEST_CHARS = 16  # of a dataset input's digest: MLflow's store keeps up to 36 characters
+# The first charts of a run page. MLflow 3.17's UI makes one chart per metric, in sections named by the key up to
+# its last "/", sections sorted by name (JavaScript's sort: upper case before lower case) and charts by key, and
+# the keys without "/" last ("Model metrics"); the layout a person rearranges lives in the browser only
+# (RunsChartsCardConfig.getBaseChartAndSectionConfigs and RunViewMetricChartsV2 in its bundle, which keeps it in
+# localStorage), so names are the one lever the server has. TRL's keys are lower case (clip_ratio/..., the
+# first section before), so "Summary/reward" and "Summary/<export.metric>" open the page of a GRPO, DPO and
+# parent run.
+HEADLINE = "Summary"
+# the reward a stage's headline chart shows: (the Trainer's key, the chart's name)
+HEADLINE_REWARD = {"grpo": ("reward", "reward"), "dpo": ("rewards/margins", "reward_margin")}
 
 
 def sanitize_metric_name(name: str) -> str:
@@ -79,8 +89,14 @@ class NullTracker:
     def run_link(self, run_id: str) -> str:
         return ""
 
-    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
+                       registration: Mapping[str, Any] | None = None) -> str:
         return ""
+
+    def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
+                             dataset: str | Path | None, headline: str | None = None) -> list[str]:
+        return []
 
     def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
         return None
@@ -163,7 +179,8 @@ class MlflowTracker(NullTracker):
             data = Path(path).with_name(Path(path).name.removesuffix(".manifest.json") + ".jsonl")
             profile = {"rows": manifest["rows"], "content_sha256": manifest["content_sha256"],
                        "sources": [src["json_path"] for src in manifest["sources"]]}
-            dataset = Dataset(name=data.stem, digest=manifest["content_sha256"][:DIGEST_CHARS], source_type="local",
+            name, digest = dataset_ref(path)
+            dataset = Dataset(name=name, digest=digest, source_type="local",
                               source=json.dumps({"uri": str(data.resolve())}), profile=json.dumps(profile))
             inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
         self.client.log_inputs(run_id, datasets=inputs)
@@ -180,19 +197,57 @@ class MlflowTracker(NullTracker):
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} experiment {self.experiment_id} run {run_id}"
 
-    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str]) -> str:
-        """Log `folder` as the run's `model` artifact and register it as a new version of `name`."""
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
+                       registration: Mapping[str, Any] | None = None) -> str:
+        """Log `folder` as a logged model of run `run_id`, with its evaluation `metrics` (`eval/<metric>`, on the
+        `dataset` manifest's data), and register that model as a new version of `name`. `registration` (mode
+        copy or reference, `vlmexp.registration`): copied, the model holds the files and the version's source is
+        `models:/<model_id>`; by reference, the model is external and the version points at the files where
+        they stay (`reference_target`)."""
         from mlflow.exceptions import MlflowException
 
-        self.client.log_artifacts(run_id, str(folder), "model")
+        from vlmexp.pipeline.logged_models import log_export_model, register_version
+        from vlmexp.registration import reference_target
+
+        if not registration or registration.get("mode") not in ("copy", "reference"):
+            raise ValueError(f"registration of {folder} must say mode copy or reference, not {registration!r}")
+        copy = registration["mode"] == "copy"
+        model_id = log_export_model(self.client, self.experiment_id, run_id, folder, copy, metrics or {},
+                                    dataset_ref(dataset) if dataset else None)
         try:
             self.client.get_registered_model(name)
         except MlflowException:
             self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` alias marks "
                                                                   "the best version so far")
-        source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
-        version = self.client.create_model_version(name, source, run_id=run_id, tags=dict(tags))
-        return str(version.version)
+        files = f"models:/{model_id}" if copy else reference_target(folder, model_id, registration.get("reference_uri"))
+        self.client.set_logged_model_tags(model_id, {"vlmexp.registration": registration["mode"], "vlmexp.files": files})
+        return register_version(self.client, self.uri, name, model_id, files, run_id, tags)
+
+    def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
+                             dataset: str | Path | None, headline: str | None = None) -> list[str]:
+        """Each evaluated model folder's metrics ({folder: metrics}) onto its logged model, as `eval/<metric>` at
+        the model's step in the run that made it, on the `dataset` manifest's data; the models become inputs of
+        the evaluation run. The `headline` metric is also `Summary/<headline>` in that run (its first chart). A
+        folder no run logged as a model (the base model) is left out. Returns the ids."""
+        from mlflow.entities import LoggedModelInput
+
+        from vlmexp.pipeline.logged_models import STEP_TAG, find_model, log_model_metrics
+
+        ids = []
+        for folder, metrics in models.items():
+            model = find_model(self.client, self.experiment_id, folder) if Path(folder).is_dir() else None
+            if model is None:
+                continue
+            step = int(model.tags.get(STEP_TAG, 0))
+            fresh = log_model_metrics(self.client, model.model_id, {f"eval/{k}": v for k, v in metrics.items()}, step,
+                                      dataset_ref(dataset) if dataset else None)
+            if headline in metrics and fresh:  # logged once, with the model's own metrics
+                self.log_metrics(model.source_run_id, {f"{HEADLINE}/{headline}": metrics[headline]}, step)
+            ids.append(model.model_id)
+        if ids:
+            self.client.log_inputs(eval_run_id, models=[LoggedModelInput(i) for i in ids])
+        return ids
 
     def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
         """(version, tags) of the version holding `alias`, or None when there is none yet."""
@@ -208,6 +263,13 @@ class MlflowTracker(NullTracker):
 
     def set_alias(self, name: str, version: str, alias: str = "champion") -> None:
         self.client.set_registered_model_alias(name, alias, version)
+
+
+def dataset_ref(manifest: str | Path) -> tuple[str, str]:
+    """(name, digest) of a sampled file as MLflow's datasets name it: the file's stem and the first characters
+    of its manifest's content digest (the same data, the same digest, wherever it was sampled)."""
+    name = Path(manifest).name.removesuffix(".manifest.json")
+    return name, json.loads(Path(manifest).read_text())["content_sha256"][:DIGEST_CHARS]
 
 
 def ui_address(host: str, port: int, uri: str = "", experiment: str = "") -> str:

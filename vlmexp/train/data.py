@@ -1,21 +1,22 @@
 """Sampled records -> TRL datasets (prompts and targets from vlmexp.prompts, shared with evaluation).
 
 SFT rows: conversational `prompt` / `completion` plus `images` (PIL); TRL's collator inserts the image
-parts and computes the loss on the completion only. GRPO rows: conversational `prompt` plus `images`;
-`solution`, `task`, `accu_reward_method`, `image_sizes` and `source_row` reach the reward functions as keyword
-columns.
+parts and computes the loss on the completion only. When a record holds earlier turns (a multi-turn
+conversation), every row is conversational language modeling instead, `messages` (the prompt's turns and the
+answer) plus `images`, and SFT trains with TRL's `assistant_only_loss`: the loss falls on every assistant turn
+and on nothing else (`require_assistant_masks`). GRPO rows: conversational `prompt` plus `images`;
+the record's `reward_columns` (solution, task, accu_reward_method, image_sizes, source_row, image_path) reach
+the reward functions as keyword columns.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import DataConfig
-from vlmexp.data.formats import parse_record
+from vlmexp.data.record import read_sampled, reward_columns
 from vlmexp.families import Family
-from vlmexp.files import read_jsonl
 from vlmexp.prompts import build_prompt, load_images, target_text
 
 
@@ -25,20 +26,41 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
     `target_template` (sft.target_template, `vlmexp.prompts.target_text`)."""
     from datasets import Dataset
 
+    records = read_sampled(path)
+    multi_turn = stage == "sft" and any(r.history for r in records)
     rows = []
-    for record in read_jsonl(path):
-        row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record)}
+    for record in records:
+        row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record.images)}
         if stage == "sft":
-            row["completion"] = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
+            answer = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
+            if multi_turn:
+                row = {"messages": row.pop("prompt") + answer, **row}
+            else:
+                row["completion"] = answer
         else:
-            example = parse_record(record, record["record_format"], record["task"])
-            solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
-            row.update(solution=solution, task=example.task, accu_reward_method=example.method,
-                       image_sizes=record["image_sizes"],
-                       source_row=record.get("source_row"),
-                       image_path=record["image_paths"][0] if record["image_paths"] else "")
+            row.update(reward_columns(record))
         rows.append(row)
     return Dataset.from_list(rows)
+
+
+def require_assistant_masks(args, processor) -> None:
+    """Train on every assistant turn of `messages` rows: set `args.assistant_only_loss`, which TRL 1.16 gives a
+    VLM through the chat template's `{% generation %}` markers, swapping in its own marked copy of a template it
+    knows (Qwen2.5-VL's, Qwen3-VL's: trl/chat_templates/README.md, `get_training_chat_template`). A template it
+    cannot mark is refused before any step (ConfigError with the fix)."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from vlmexp.errors import ConfigError, Problem
+
+    try:
+        get_training_chat_template(processor)
+    except ValueError as e:
+        raise ConfigError(Problem("model", "chat_template", f"multi-turn records train SFT on every assistant turn "
+                                  f"through TRL's assistant_only_loss, which needs a chat template with "
+                                  f"{{% generation %}} markers or one TRL can mark (the released Qwen2.5-VL and "
+                                  f"Qwen3-VL templates); this model's cannot be ({e}); add the markers to its "
+                                  f"chat template, or sample single-turn records")) from None
+    args.assistant_only_loss = True
 
 
 def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, budget, processor,
@@ -55,15 +77,15 @@ def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, b
     tokenizer = getattr(processor, "tokenizer", processor)
     limit = family.budget_knobs[-1]  # the knob that caps an image's tokens: max_pixels, max_patches
     problems = []
-    for n, record in enumerate(read_jsonl(path), start=1):
-        image_tokens = sum(family.image_tokens(w, h, budget) for w, h in record.get("image_sizes") or [])
+    for n, record in enumerate(read_sampled(path), start=1):
+        image_tokens = sum(family.image_tokens(w, h, budget) for w, h in record.image_sizes)
         target = target_text(record, family, budget, target_template)
         text = "".join(m["content"] for m in build_prompt(record, data, family)) + target
         total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
         if total > max_length:
             problems.append(Problem(
-                f"{path}:{n}", field, f"record from {record.get('source')} row {record.get('source_row')} needs about "
-                f"{total} tokens ({image_tokens} for its image(s) of {record.get('image_sizes')} at {limit} "
+                f"{path}:{n}", field, f"record from {record.where} needs about "
+                f"{total} tokens ({image_tokens} for its image(s) of {record.image_sizes} at {limit} "
                 f"{getattr(budget, limit)}), over {field} = {max_length}: truncation would cut the image tokens or "
                 f"the answer; raise {field} or lower model.{limit}"))
             if len(problems) >= 20:

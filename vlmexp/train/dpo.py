@@ -1,6 +1,6 @@
 """DPO stage entry point: seed, pairs, processor, model, trainer, train (resuming), save. Reads top to bottom.
 
-Pairs come from the data (`dpo.pairs.from: data`, records in the "pairs" format: chosen / rejected) or from
+Pairs come from the data (`dpo.pairs.from: data`, records with a chosen and a rejected answer) or from
 the start model's own samples (`from: samples`): `num_samples` completions per training prompt, scored with
 `grpo.rewards` (the same reward objects GRPO trains on and evaluation scores with, so DPO prefers what the
 pipeline measures), best vs worst kept when their rewards differ by at least `min_margin`. The sampled pairs
@@ -17,10 +17,13 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmexp.config import Config
 from vlmexp.train.stage import StageInputs, load_model, prepare_stage, train_and_save, trl_args
+
+if TYPE_CHECKING:
+    from vlmexp.data.record import SampledRecord
 
 log = logging.getLogger("vlmexp.train")
 PAIRS_FILE, SUMMARY_FILE = "pairs.jsonl", "pairs.json"
@@ -62,23 +65,20 @@ def load_pairs(inputs: StageInputs) -> list[dict[str, Any]]:
 
 
 def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
-    """The sampled records as pairs; every one must be in the "pairs" format (checked before any model loads)."""
-    from vlmexp.data.formats import parse_record
+    """The sampled records as pairs; every one must carry a rejected answer (checked before any model loads)."""
+    from vlmexp.data.record import read_sampled
     from vlmexp.errors import DataError, Problem
-    from vlmexp.files import read_jsonl
     from vlmexp.prompts import build_prompt
 
     out, problems = [], []
-    for n, record in enumerate(read_jsonl(inputs.train_path), start=1):
-        if record.get("record_format") != "pairs":
-            problems.append(Problem(f"{record.get('source')}:{record.get('source_row')}", "chosen",
-                                    f"dpo.pairs.from: data needs records with chosen and rejected answers, this "
-                                    f"one is {record.get('record_format')!r}; use pair data or dpo.pairs.from: "
-                                    "samples", record.get("problem")))
+    for record in read_sampled(inputs.train_path):
+        if record.rejected is None or record.target is None:
+            problems.append(Problem(record.where, "chosen", f"dpo.pairs.from: data needs records with chosen and "
+                                    f"rejected answers, this one ({record.record_format!r}) has no rejected answer; "
+                                    "use pair data or dpo.pairs.from: samples", record.problem))
             continue
-        example = parse_record(record, "pairs", record["task"])
-        out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family),
-                    "image_paths": record["image_paths"], "chosen": example.solution, "rejected": example.rejected})
+        out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family), "image_paths": record.images,
+                    "chosen": record.target, "rejected": record.rejected})
     if problems:
         raise DataError(problems[:20], title=f"{len(problems)} records without a preference pair")
     return out
@@ -86,35 +86,21 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
 
 def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
-    import torch
-
-    from vlmexp.evaluate import generate
-    from vlmexp.files import atomic_write, read_jsonl
-    from vlmexp.modeling import load_for_inference
-    from vlmexp.prompts import build_prompt, load_images
-    from vlmexp.rewards import build_reward
+    from vlmexp.data.record import read_sampled
+    from vlmexp.files import atomic_write
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
-    records = read_jsonl(inputs.train_path)
-    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget) for r in cfg.grpo.rewards]
-    model, processor, _ = load_for_inference(cfg, inputs.model_path)
-    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
-    images = [load_images(r) for r in records]
+    records = read_sampled(inputs.train_path)
     k = opts.num_samples
-    completions = generate(model, processor, inputs.family, [p for p in prompts for _ in range(k)],
-                           [im for im in images for _ in range(k)], opts.max_new_tokens, opts.temperature,
-                           opts.batch_size)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    prompts, groups = sample_and_score(inputs, records, [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards],
+                                       k, opts.temperature, opts.max_new_tokens, opts.batch_size)
     pairs = []
     for i, record in enumerate(records):
-        texts = completions[i * k:(i + 1) * k]
-        scores = score_group(rewards, [r.weight for r in cfg.grpo.rewards], prompts[i], texts, record)
+        texts, scores = groups[i]
         pair = best_vs_worst(texts, scores, opts.min_margin)
         if pair is not None:
-            pairs.append({"prompt": prompts[i], "image_paths": record["image_paths"], **pair,
-                          "source": record.get("source"), "source_row": record.get("source_row")})
+            pairs.append({"prompt": prompts[i], "image_paths": record.images, **pair,
+                          "source": record.source, "source_row": record.source_row})
     summary = {"prompts": len(records), "pairs": len(pairs), "prompts_without_pair": len(records) - len(pairs),
                "num_samples": k, "min_margin": opts.min_margin}
     atomic_write(path, "".join(json.dumps(p) + "\n" for p in pairs))
@@ -123,17 +109,44 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     return summary
 
 
-def score_group(rewards, weights: list[float], prompt, texts: list[str], record: dict[str, Any]) -> list[float]:
-    """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards. A masked
-    (None) score counts as 0 for that reward."""
-    from vlmexp.data.formats import parse_record
+def sample_and_score(inputs: StageInputs, records: list[SampledRecord], rewards: list[tuple[str, dict, float]],
+                     k: int, temperature: float, max_new_tokens: int, batch_size: int, prefilled_think: bool = False):
+    """(prompts, [(k completions, their weighted reward sums)] per record): the start model's samples for
+    `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them. The sampling
+    model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through here."""
+    import torch
 
-    example = parse_record(record, record["record_format"], record["task"])
-    solution = json.dumps(example.solution) if example.task == "rec" else str(example.solution)
+    from vlmexp.evaluate import generate
+    from vlmexp.modeling import load_for_inference
+    from vlmexp.prompts import build_prompt, load_images
+    from vlmexp.rewards import build_reward
+
+    cfg = inputs.cfg
+    built = [build_reward(name, kwargs, inputs.family.box_frame, inputs.budget, prefilled_think)
+             for name, kwargs, _ in rewards]
+    model, processor, _ = load_for_inference(cfg, inputs.model_path)
+    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
+    images = [load_images(r.images) for r in records]
+    completions = generate(model, processor, inputs.family, [p for p in prompts for _ in range(k)],
+                           [im for im in images for _ in range(k)], max_new_tokens, temperature, batch_size)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    weights = [w for _, _, w in rewards]
+    groups = []
+    for i, record in enumerate(records):
+        texts = completions[i * k:(i + 1) * k]
+        groups.append((texts, score_group(built, weights, prompts[i], texts, record)))
+    return prompts, groups
+
+
+def score_group(rewards, weights: list[float], prompt, texts: list[str], record: SampledRecord) -> list[float]:
+    """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards
+    (`reward_columns`). A masked (None) score counts as 0 for that reward."""
+    from vlmexp.data.record import reward_columns
+
     n = len(texts)
-    columns = {"solution": [solution] * n, "task": [example.task] * n, "accu_reward_method": [example.method] * n,
-               "image_sizes": [record["image_sizes"]] * n,
-               "image_path": [(record["image_paths"] or [""])[0]] * n}
+    columns = {key: [value] * n for key, value in reward_columns(record).items()}
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     totals = [0.0] * n
     for reward, weight in zip(rewards, weights, strict=True):
@@ -160,6 +173,6 @@ def build_pair_dataset(pairs: list[dict[str, Any]]):
 
     from vlmexp.prompts import load_images
 
-    return Dataset.from_list([{"prompt": p["prompt"], "images": load_images(p),
+    return Dataset.from_list([{"prompt": p["prompt"], "images": load_images(p["image_paths"]),
                                "chosen": [{"role": "assistant", "content": p["chosen"]}],
                                "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs])

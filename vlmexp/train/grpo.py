@@ -35,6 +35,10 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     check_rewards_score(cfg, set(train_dataset["task"]))  # before the model loads
+    if cfg.grpo.difficulty_filter.enabled:  # the start model samples first; prompts without signal are dropped
+        from vlmexp.train.difficulty import kept_rows
+
+        train_dataset = train_dataset.select(kept_rows(inputs, args))
     model, peft_config = load_model(inputs)
     thinking = prefills_think(inputs.processor)  # completions then start inside <think> (the format reward reads so)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from vlmexp.config import Config
+from vlmexp.errors import ConfigError, Problem
 from vlmexp.pipeline.tracker import make_tracker
 from vlmexp.provenance import run_tags
 
@@ -42,9 +43,33 @@ def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | No
     os.environ.setdefault("MLFLOW_FLATTEN_PARAMS", "TRUE")
     mlflow.config.enable_async_logging(True)
     mlflow.set_tracking_uri(tracker.uri)
-    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}")
-    log.info("logging to MLflow run %s in %s", run_id, tracker.uri)
+    system_metrics = start_system_metrics(cfg)
+    mlflow.start_run(run_id=run_id, run_name=f"{cfg.run.name}-{stage}", log_system_metrics=system_metrics)
+    log.info("logging to MLflow run %s in %s%s", run_id, tracker.uri, " with system metrics" * system_metrics)
     return StageRun(tracker.uri, run_id)
+
+
+def start_system_metrics(cfg: Config) -> bool:
+    """Whether the stage's run samples system metrics (`tracking.system_metrics`), with MLflow's own monitor: a
+    thread that every `tracking.system_metrics_seconds` logs `system/cpu_utilization_percentage`,
+    `system/system_memory_usage_megabytes`, disk and network use and, through nvidia-ml-py, `system/gpu_<i>_...`
+    (utilization, memory, power) until the run ends; a resumed run continues its steps. A CUDA GPU without
+    nvidia-ml-py is refused here, before any step: MLflow would leave the GPU out with only an info line."""
+    if not cfg.tracking.system_metrics:
+        return False
+    import importlib.util
+
+    import mlflow
+    import torch
+    from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+
+    if torch.cuda.is_available() and torch.version.cuda and importlib.util.find_spec("pynvml") is None:
+        raise ConfigError(Problem("tracking.system_metrics", "", "a CUDA GPU is here but nvidia-ml-py is not "
+                                  "installed, so MLflow would record no GPU use: pip install nvidia-ml-py (in the "
+                                  "gpu extra), or set tracking.system_metrics: false", True))
+    if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:  # the variable, MLflow's own setting, wins
+        mlflow.set_system_metrics_sampling_interval(cfg.tracking.system_metrics_seconds)
+    return True
 
 
 def close_stage_run(run: StageRun | None, status: str) -> None:

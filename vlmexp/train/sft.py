@@ -15,7 +15,7 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
     from trl import SFTTrainer
 
     from vlmexp.prompts import check_sft_targets
-    from vlmexp.train.data import build_dataset, check_sequence_lengths
+    from vlmexp.train.data import build_dataset, check_sequence_lengths, require_assistant_masks
 
     inputs = prepare_stage(cfg, "sft", mlflow_run_id=mlflow_run_id)
     check_sft_targets(inputs.train_path, cfg.sft.target_template)
@@ -24,6 +24,8 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
                            args.max_length, "sft.args.max_length", cfg.sft.target_template)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft",
                                   cfg.sft.target_template)
+    if "messages" in train_dataset.column_names:  # multi-turn records: the loss on every assistant turn
+        require_assistant_masks(args, inputs.processor)
     model, peft_config = load_model(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))

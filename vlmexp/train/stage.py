@@ -38,6 +38,7 @@ class StageInputs:
     train_path: Path
     resume_from: str | None  # newest complete checkpoint of this stage when resuming, else None
     run: StageRun | None = None  # None: tracking off, or not the process that logs
+    val_path: Path | None = None  # the sampled held-out records (validation during training), None when none
 
     @property
     def stage_cfg(self) -> StageConfig:
@@ -54,8 +55,10 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.families import detect_family
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor
+    from vlmexp.train.validation import check_sharding
 
     check_hardware(getattr(cfg, stage), stage)
+    check_sharding(cfg, stage)  # validation during training with sharded parameters over several processes
     set_seed(cfg.run.seed)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
     # Every rank of a launch gets here. The main process builds first (tiny model, sampled data): a non-zero
@@ -70,15 +73,15 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
         else:
             family = detect_family(adapter_base(model_path) or model_path)
         # sampled again only when the files are not what this config asks for (data section, seed, sources)
-        train_path = prepare_data(cfg, reuse=True).train
+        data = prepare_data(cfg, reuse=True)
     if Path(model_path).is_dir():  # absolute, so adapters saved from it name a base that loads from anywhere
         model_path = str(Path(model_path).resolve())
     processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
-    return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor), train_path,
-                       resume_from, run)
+    return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
+                       data.train, resume_from, run, data.val)
 
 
 def trl_args(inputs: StageInputs, **stage_args: Any):
@@ -140,6 +143,9 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         # a crash may resume in it; the config check refused a folder of the user's before any work
         inputs.stage_dir.mkdir(parents=True, exist_ok=True)
         mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
+    from vlmexp.train.validation import add_validation, write_summary
+
+    validation = add_validation(trainer, inputs)  # eval.every_steps; refuses what it cannot run before any step
     if inputs.resume_from and run is not None:
         from vlmexp.train.callbacks import SkipLoggedSteps
         from vlmexp.train.mlflow_run import last_logged_step
@@ -147,6 +153,12 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         last = last_logged_step(run.uri, run.run_id)
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
+    models = None
+    if run is not None:  # each checkpoint and final/ as a logged model of the run; the reward's headline chart
+        from vlmexp.train.mlflow_callbacks import CheckpointModels, HeadlineMetrics
+
+        trainer.add_callback(models := CheckpointModels(run))
+        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
@@ -160,7 +172,11 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     trainer.save_model(str(final))
     if trainer.args.should_save:
         inputs.processor.save_pretrained(str(final))
+        if validation is not None:
+            write_summary(trainer.state, inputs.cfg, inputs.stage_dir)
         (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
+    if models is not None:
+        models.log_final(final, trainer.state.global_step)
     return final
 
 

@@ -1,0 +1,59 @@
+"""The MLflow UI as a person sees it (`vlmexp ui`, rendered by headless Chromium): a GRPO run's page opens on
+the section `Summary` holding the reward and the main evaluation metric, before TRL's sections. It checks the
+premise tests/test_flow.py builds on (the UI orders sections by name, upper case first) against the installed
+MLflow's own JavaScript. Needs the `chromium` package; skipped, saying so, where it is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prefect_server import free_port, stop, wait_http
+
+from vlmexp.config_loader import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt install chromium)")]
+
+
+def _sections(url: str) -> list[tuple[str, int]]:
+    """(section, number of charts) in page order, from the section headers of the DOM Chromium rendered (the
+    charts themselves draw later, as they scroll into view)."""
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--window-size=1600,1400", "--virtual-time-budget=30000", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    parts = dom.split('data-testid="experiment-view-compare-runs-section-header"')[1:]
+    headers = [re.search(r'white-space: pre;">([^<]*)</div><div[^>]*>\((\d+)\)</div>', part) for part in parts]
+    return [(h.group(1), int(h.group(2))) for h in headers if h]
+
+
+def test_a_grpo_run_page_opens_on_the_reward_and_the_evaluation_metric(tmp_path):
+    from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD, make_tracker
+
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"], check_paths=False)
+    tracker = make_tracker(cfg)
+    parent = tracker.start_pipeline("demo-pipeline", {}, {})
+    grpo = tracker.start_stage(parent, "demo-grpo")
+    for step in (1, 2, 3):  # TRL's keys (clip_ratio/... sorted first until now) and the headline reward
+        tracker.log_metrics(grpo, {"clip_ratio/low_mean": 0.0, "completions/mean_length": 12.0 + step,
+                                   "reward": 0.1 * step, "rewards/iou/mean": 0.05 * step, "loss": 1.0 / step,
+                                   f"{HEADLINE}/{HEADLINE_REWARD['grpo'][1]}": 0.1 * step}, step)
+    tracker.log_metrics(grpo, {f"{HEADLINE}/{cfg.export.metric}": 0.31, "eval/rec_mean_iou": 0.31}, 3)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "ui", "--store", tracker.uri, "--port", str(port)],
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 120)
+        sections = _sections(f"http://127.0.0.1:{port}/#/experiments/{tracker.experiment_id}/runs/{grpo}/"
+                             "model-metrics?workflowType=machine_learning")
+    finally:
+        stop(server)
+    assert sections[:3] == [("Summary", 2), ("clip_ratio", 1), ("completions", 1)], sections
+    assert sections[-1] == ("Model metrics", 2), sections  # reward and loss: keys without a section come last

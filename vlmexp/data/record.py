@@ -1,0 +1,127 @@
+"""The sampled record: what every source format is normalised to, once, by the sampler.
+
+`vlmexp sample` (and the pipeline's data step) writes one `SampledRecord` a JSONL line; SFT, DPO, GRPO,
+evaluation and `vlmexp eval --records` read them with `read_sampled` and never look at the source's layout
+again (as EasyR1's `RLHFDataset` maps each source's prompt / answer / image keys once, hiyouga/EasyR1
+verl/utils/dataset.py). `reward_columns` is the one place the reward functions' keyword columns are built
+(GRPO's dataset, DPO's sample scoring, evaluation), and `content_sha256` the one digest of sampled data
+(the manifest's, the stage cache keys', MLflow's dataset inputs').
+
+A file written in another layout (an older vlmexp kept the source's raw fields) is refused by
+`read_sampled`, naming the file and the fix; the pipeline samples such data again by itself, since
+SCHEMA_VERSION is part of what its sampled data is keyed on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 2  # 1: the source's raw fields plus record_format, task, image_paths, image_sizes (no marker)
+LOCATION_FIELDS = ("source", "images")  # machine-specific absolute paths: left out of content_sha256
+RESAMPLE = "sampled with an older vlmexp or written by hand: run `vlmexp sample` again (a pipeline run samples again "\
+           "by itself)"
+
+
+@dataclass(frozen=True)
+class SampledRecord:
+    """One normalised training or evaluation record (one JSONL line of a sampled file)."""
+
+    task: str  # rec | math | exact | detection: which reward scores the answer
+    method: str | None  # VLM-R1's accu_reward_method: how the answer is scored within the task
+    problem: str  # the final user turn's text, `<image>` tags removed (the prompt template fills {problem})
+    solution: Any  # rec: the box [x1, y1, x2, y2] in original pixels; otherwise the answer as a string
+    images: list[str]  # absolute paths of the images (embedded ones as stored beside the sampled file)
+    image_sizes: list[list[int]]  # [width, height] of each image, read from its header
+    image_refs: list[str]  # the images as the source names them (relative paths as written; embedded: stored name)
+    source: str  # the source's file, folder or Hub id
+    source_id: str  # what identifies the source's content (sha256 of its files, or its dataset fingerprint)
+    source_row: int  # the row within the source
+    record_format: str  # the format the source was read as (provenance only: nothing branches on it)
+    id: str | None = None  # the source record's own id, where it has one
+    system: str | None = None  # the record's own system message (data.system_prompt otherwise)
+    history: list[dict[str, str]] = field(default_factory=list)  # earlier turns, {role: user|assistant, content}
+    target: str | None = None  # the answer text SFT imitates as written (a chosen answer, the last assistant turn)
+    demonstration: list[float] | None = None  # rec: the box SFT imitates instead of the solution (an annotator's)
+    rejected: str | None = None  # the dispreferred answer of a preference record (the chosen one is `target`)
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def where(self) -> str:
+        """How errors name the record: its source and row."""
+        return f"{self.source} row {self.source_row}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, values shared (not copied as dataclasses.asdict copies them): for writing."""
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), ensure_ascii=False)
+
+
+FIELD_NAMES = tuple(f.name for f in fields(SampledRecord))
+REQUIRED = tuple(f.name for f in fields(SampledRecord) if f.default is MISSING and f.default_factory is MISSING)
+
+
+def from_dict(data: dict[str, Any], where: str) -> SampledRecord:
+    """The record a sampled JSONL line holds, or ValueError naming `where` and the fix (resample)."""
+    if data.get("schema") != SCHEMA_VERSION:
+        layout = f"schema {data['schema']!r}" if "schema" in data else "the layout without a schema field"
+        raise ValueError(f"{where}: written in {layout}, not sampled-record schema {SCHEMA_VERSION}; {RESAMPLE}")
+    unknown, missing = sorted(set(data) - set(FIELD_NAMES)), [k for k in REQUIRED if k not in data]
+    if unknown or missing:
+        raise ValueError(f"{where}: not a sampled record (unknown fields {unknown}, missing {missing}); {RESAMPLE}")
+    return SampledRecord(**data)
+
+
+def read_sampled(path: str | Path) -> list[SampledRecord]:
+    """The records of a sampled JSONL file (`vlmexp sample`'s output), or DataError naming the file, the line
+    and the fix when it is in another layout."""
+    from vlmexp.errors import DataError, Problem
+    from vlmexp.files import read_jsonl
+
+    path = Path(path)
+    try:
+        rows = read_jsonl(path)
+    except (OSError, ValueError) as e:
+        raise DataError(Problem(str(path), "", f"cannot be read as sampled records ({e.__class__.__name__}: "
+                                               f"{str(e)[:200]}); {RESAMPLE}"), title="invalid sampled data") from None
+    out = []
+    for n, row in enumerate(rows, start=1):
+        try:
+            if not isinstance(row, dict):
+                raise TypeError(f"{path}:{n}: each line must be a JSON object; {RESAMPLE}")
+            out.append(from_dict(row, f"{path}:{n}"))
+        except (ValueError, TypeError) as e:
+            raise DataError(Problem(str(path), "", str(e)), title="invalid sampled data") from None
+    return out
+
+
+def reward_columns(record: SampledRecord) -> dict[str, Any]:
+    """The keyword columns reward functions receive for `record` (GRPO's dataset columns; DPO's sample
+    scoring and evaluation pass the same): the solution as a string (a box as JSON), task, method, sizes."""
+    return {"solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
+            "task": record.task, "accu_reward_method": record.method, "image_sizes": record.image_sizes,
+            "source_row": record.source_row, "image_path": record.images[0] if record.images else ""}
+
+
+def columns_of(records: Sequence[SampledRecord]) -> dict[str, list[Any]]:
+    """`reward_columns` of several records, as the column lists reward functions take."""
+    rows = [reward_columns(r) for r in records]
+    return {key: [row[key] for row in rows] for key in REWARD_COLUMNS}
+
+
+REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
+
+
+def content_sha256(records: Iterable[SampledRecord]) -> str:
+    """What identifies sampled records wherever they live: every field but the machine-specific paths."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(json.dumps({k: v for k, v in r.as_dict().items() if k not in LOCATION_FIELDS}, sort_keys=True,
+                            ensure_ascii=False).encode())
+    return h.hexdigest()
