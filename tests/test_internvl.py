@@ -181,6 +181,21 @@ def test_freezing_and_lora_find_internvls_vision_tower_projector_and_language_mo
     assert any(n.endswith("self_attn.q_proj") for n in wrapped) and any(n.endswith("mlp.down_proj") for n in wrapped)
 
 
+def test_multi_turn_sft_is_refused_for_internvls_template_with_the_fix(tiny_models):
+    """TRL 1.16 marks assistant turns only in templates it knows (Qwen2.5-VL's, Qwen3-VL's): InternVL's -hf template
+    has no {% generation %} markers, so multi-turn SFT is refused before any step, naming what to do."""
+    from types import SimpleNamespace
+
+    from vlmexp.processor import load_processor
+    from vlmexp.train.data import require_assistant_masks
+
+    args = SimpleNamespace(assistant_only_loss=False)
+    with pytest.raises(ConfigError, match=r"model: chat_template: multi-turn records .* add the markers to its chat "
+                                          r"template, or sample single-turn records"):
+        require_assistant_masks(args, load_processor(tiny_models["internvl"], INTERNVL))
+    assert args.assistant_only_loss is False
+
+
 def _cfg(tmp_path, *overrides):
     return load_config(REPO / "configs/demo_internvl.yaml", [f"run.output_dir={tmp_path}", "tracking.backend=none",
                                                              "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
@@ -215,8 +230,12 @@ def test_sft_dpo_grpo_each_train_then_evaluation_and_export_load_in_plain_transf
                "dpo.args.max_steps=1", "dpo.args.save_steps=1", "dpo.args.per_device_train_batch_size=4",
                "dpo.pairs.min_margin=0.05", "grpo.args.max_steps=1", "grpo.args.save_steps=1",
                "grpo.args.warmup_steps=0", "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
-               "grpo.rewards=[{name: format}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]")
+               "grpo.rewards=[{name: format}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]",
+               "eval.every_steps=1", "eval.during_training_samples=2")  # validation during training: every step
     sft = run_sft(cfg)
+    validated = json.loads((tmp_path / "sft" / "validation.json").read_text())
+    assert validated["metric"] == "val/rec_mean_iou" and [s for s, _ in validated["history"]] == [1, 2]
+    assert all(0 <= v <= 1 for _, v in validated["history"])
     [base] = (tmp_path / "models").glob("tiny-internvl-*")
     changed = _changed(_weights(base), _weights(sft))  # saved in the -hf checkpoints' key layout
     assert {k.split(".")[0] for k in changed} == {"language_model", "vision_tower", "multi_modal_projector"}
@@ -224,6 +243,7 @@ def test_sft_dpo_grpo_each_train_then_evaluation_and_export_load_in_plain_transf
     assert any(k.startswith("language_model.model.layers.") for k in _changed(_weights(sft), _weights(dpo)))
     grpo = run_grpo(cfg, str(dpo))
     assert any(k.startswith("language_model.model.layers.") for k in _changed(_weights(dpo), _weights(grpo)))
+    assert [s for s, _ in json.loads((tmp_path / "grpo" / "validation.json").read_text())["history"]] == [1]
 
     result = evaluate(cfg, str(grpo), tmp_path / "data" / "val.jsonl", tmp_path / "eval")
     assert result.metrics["count"] == 4 and "rec_mean_iou" in result.metrics
