@@ -91,8 +91,10 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
     assert variants["beta 0.04 (reference model)"]["overrides"] == ["grpo.args.beta=0.04"]
 
 
-GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "grpo") for mode in ("full", "lora64") for ckpt in ("on", "off")}
-GPU_CASES |= {"autoprocessor", "gpu_grpo_phases", "deepspeed-zero2-sft"}
+GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "dpo", "grpo") for mode in ("full", "lora64")
+             for ckpt in ("on", "off")}
+GPU_CASES |= {"autoprocessor", "grpo-mixed-sizes-lora64", "gpu_grpo_phases", "deepspeed-zero2-sft",
+              "deepspeed-zero3-sft", "demo"}
 
 
 def test_gpu_harness_dry_run_plans_every_case(tmp_path):
@@ -111,12 +113,12 @@ def test_gpu_harness_dry_run_plans_every_case(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_harness_tiny_trains_both_stages_without_mlflow_or_prefect(tmp_path):
+def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path):
     """The harness at the tiny shape on CPU, mlflow and prefect made unimportable in the training processes
     (as on a GPU box that lacks them): each case trains and reports its figures."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work", str(tmp_path / "work"),
-                        "--only", "sft-lora64-ckpton,grpo-full-ckptoff"],
+                        "--only", "sft-lora64-ckpton,grpo-full-ckptoff,dpo-full-ckptoff,grpo-mixed-sizes-lora64"],
                        capture_output=True, text=True, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
@@ -136,6 +138,12 @@ def test_gpu_harness_tiny_trains_both_stages_without_mlflow_or_prefect(tmp_path)
     # a LoRA step trains the adapters only; 2 completions x 8 new tokens, EOS held back by min_new_tokens
     assert sft["figures"]["trainable_parameters"] < sft["figures"]["lm_parameters"]
     assert grpo["figures"]["generated_tokens_per_step"] == 16 and grpo["figures"]["update_s"] > 0
+    # DPO on pairs of the model's own samples; GRPO over mixed image sizes, the pairing guard timed per step
+    dpo, mixed = result["cases"]["dpo-full-ckptoff"], result["cases"]["grpo-mixed-sizes-lora64"]
+    assert dpo["status"] == mixed["status"] == "ok", (dpo.get("log_tail"), mixed.get("log_tail"))
+    assert dpo["figures"]["steps"] == 3 and dpo["figures"]["peft"] is None and dpo["figures"]["tokens_per_s"] > 0
+    assert mixed["figures"]["steps"] == 3 and 0 < mixed["figures"]["guard_s"] < mixed["figures"]["step_s"]
+    assert mixed["figures"]["generated_tokens_per_step"] == 8 * 2 * 4  # 8 prompts x G 2 x 4 new tokens
 
 
 @pytest.mark.slow

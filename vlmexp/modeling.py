@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,10 @@ def vision_token_ids(processor, family: Family) -> list[int]:
 
 
 def load_for_inference(cfg: Config, model_path: str):
-    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed)."""
+    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed), on this
+    process's GPU when there is one."""
+    import torch
+
     from vlmexp.processor import load_processor
 
     base = adapter_base(model_path)
@@ -190,5 +194,7 @@ def load_for_inference(cfg: Config, model_path: str):
 
         model = PeftModel.from_pretrained(model, model_path).merge_and_unload()
     model.eval()
+    if torch.cuda.is_available():  # generation on the GPU the process owns (torchrun's LOCAL_RANK), not the CPU
+        model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
     return model, processor, family

@@ -4,9 +4,11 @@
     python bench/gpu/harness.py OUT_DIR [--tiny] [--dry-run] [--only CASE,...] [--budget-s 540]
 
 Cases (each a fresh process, `bench/gpu/stage.py`, i.e. `vlmexp train` in-process plus a step recorder):
-SFT and GRPO x full / LoRA r 64 x activation checkpointing on / off, random weights at the 3B shape (bf16,
-sdpa, 448 x 448 images, GRPO 8 generations x 256 new tokens), then the `AutoProcessor` check, the GRPO phase
-benchmark (bench/gpu_grpo.py) and DeepSpeed ZeRO-2 for one step when it installs. Cases run in that order
+SFT, DPO and GRPO x full / LoRA r 64 x activation checkpointing on / off, random weights at the 3B shape (bf16,
+sdpa, 448 x 448 images, GRPO 8 generations x 256 new tokens; DPO's pairs from the model's own samples), then
+the `AutoProcessor` check, GRPO with 8 prompts of mixed image sizes a step (the pairing guard's cost), the GRPO
+phase benchmark (bench/gpu_grpo.py), DeepSpeed ZeRO-2 and ZeRO-3 for two SFT steps when it installs, and the
+embedded demo (bench/demo_matrix.py, one seed) on the GPU. Cases run in that order (or --only's)
 until --budget-s is spent; the rest are recorded as skipped. OUT_DIR/results.json is rewritten after every
 case, so a run cut off still leaves what it measured. `--tiny` runs the same at the tiny shape on CPU (what
 CI tests); `--dry-run` writes the plan and the environment without training.
@@ -35,20 +37,36 @@ LORA = ["{stage}.peft={{method: lora, r: 64, alpha: 128, dropout: 0.0}}"]
 
 def stage_cases() -> dict[str, dict]:
     cases = {}
-    for stage in ("sft", "grpo"):
+    for stage in ("sft", "dpo", "grpo"):
         for mode, peft in (("full", []), ("lora64", LORA)):
             for ckpt in ("on", "off"):
                 cases[f"{stage}-{mode}-ckpt{ckpt}"] = {
                     "kind": "stage", "stage": stage,
                     "overrides": [o.format(stage=stage) for o in peft]
-                    + [f"{stage}.args.activation_checkpointing={'true' if ckpt == 'on' else 'false'}"]}
+                    + [f"{stage}.args.activation_checkpointing={'true' if ckpt == 'on' else 'false'}"]
+                    + (["grpo.rewards=[{name: 'pair_reward:char_variety', weight: 1.0}]"] if stage == "dpo" else [])}
     return cases
 
 
-def all_cases() -> dict[str, dict]:
-    return {**stage_cases(), "autoprocessor": {"kind": "autoprocessor"}, "gpu_grpo_phases": {"kind": "gpu_grpo"},
-            "deepspeed-zero2-sft": {"kind": "deepspeed", "stage": "sft", "overrides": [
-                "launch.deepspeed=" + str(REPO / "configs/deepspeed/zero2.json"), "sft.args.max_steps=1"]}}
+def mixed_size_case(s: dict) -> dict:
+    """GRPO with 8 prompts per optimizer step whose images differ in size (224-672 pixels a side, so several
+    image grids in every generation batch): what the pairing guard (vlmexp/train/grpo_pairing.py) costs."""
+    side = s["side"]
+    return {"kind": "stage", "stage": "grpo", "overrides": [
+        LORA[0].format(stage="grpo"), "grpo.args.activation_checkpointing=true",
+        f"data.demo.width=[{max(64, side // 2)},{side * 3 // 2}]", f"data.demo.height=[{max(64, side // 2)},{side * 3 // 2}]",
+        "grpo.args.gradient_accumulation_steps=8", f"grpo.args.max_completion_length={s['new_tokens'] // 2}",
+        f"grpo.args.generation_kwargs={{min_new_tokens: {s['new_tokens'] // 2}}}"]}
+
+
+def all_cases(tiny: bool = False) -> dict[str, dict]:
+    zero = {z: {"kind": "deepspeed", "stage": "sft", "overrides": [
+        "launch.deepspeed=" + str(REPO / f"configs/deepspeed/{z}.json"), "sft.args.max_steps=2"]}
+        for z in ("zero2", "zero3")}
+    return {**stage_cases(), "autoprocessor": {"kind": "autoprocessor"},
+            "grpo-mixed-sizes-lora64": mixed_size_case(shape(tiny)), "gpu_grpo_phases": {"kind": "gpu_grpo"},
+            "deepspeed-zero2-sft": zero["zero2"], "deepspeed-zero3-sft": zero["zero3"],
+            "demo": {"kind": "demo"}}
 
 
 def shape(tiny: bool) -> dict:
@@ -72,6 +90,12 @@ def write_config(work: Path, model_dir: Path, s: dict) -> Path:
         "data": {"demo": {"train": 64, "val": 8, "seed": 0, "width": [side, side], "height": [side, side],
                           "objects": [1, 1], "background": "gradient"}, "system_prompt": None},
         "sft": {"args": {**args, "max_steps": s["sft_steps"], "per_device_train_batch_size": s["sft_batch"],
+                         "max_length": 4096}},
+        # pairs from the model's own samples, scored by pair_reward.py (random weights score 0 on IoU)
+        "dpo": {"enabled": True, "pairs": {"from": "samples", "num_samples": 2, "temperature": 1.0,
+                                           "max_new_tokens": max(8, s["new_tokens"] // 4), "min_margin": 0.0,
+                                           "batch_size": s["sft_batch"]},
+                "args": {**args, "max_steps": s["sft_steps"], "per_device_train_batch_size": s["sft_batch"],
                          "max_length": 4096}},
         "grpo": {"args": {**args, "max_steps": s["grpo_steps"], "per_device_train_batch_size": s["G"],
                           "num_generations": s["G"], "max_completion_length": s["new_tokens"], "beta": 0.0,
@@ -137,7 +161,7 @@ def main() -> None:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = all_cases()
+    cases = all_cases(args.tiny)
     wanted = [c for c in args.only.split(",") if c] or list(cases)
     unknown = sorted(set(wanted) - set(cases))
     if unknown:

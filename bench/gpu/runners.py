@@ -61,6 +61,12 @@ def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeou
             "import json, sys; from transformers import AutoProcessor; p = AutoProcessor.from_pretrained(sys.argv[1]);"
             "json.dump({k: type(getattr(p, k, None)).__name__ for k in ('image_processor', 'video_processor', "
             "'tokenizer')} | {'processor': type(p).__name__}, open(sys.argv[2], 'w'))"), model_dir, str(record)]
+    elif case["kind"] == "demo":  # one seed of the embedded demo; its cell JSON is the record
+        demo_dir = work / "demo"
+        cmd = [sys.executable, str(REPO / "bench" / "demo_matrix.py"), "--seeds", "42", "--arithmetic", "avx2",
+               "--out-dir", str(demo_dir), *(["data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=2",
+                                             "grpo.args.max_steps=1"] if tiny else [])]
+        record = demo_dir / "seed42-avx2.json"
     elif case["kind"] == "gpu_grpo":
         cmd = [sys.executable, str(REPO / "bench" / "gpu_grpo.py"), "--repeats", "2", "--out", str(record),
                *(["--tiny"] if tiny else [])]
@@ -104,8 +110,10 @@ def stage_figures(rec: dict, peak_tflops: float, generations: int) -> dict:
            "flops_per_parameter_token": k}
     busy = med["step_s"]
     if rec["stage"] == "grpo":
+        out["guard_s"] = median_after_warmup([s.get("guard_s", 0.0) for s in steps])
         lengths = [log["completions/mean_length"] for log in rec["logs"] if "completions/mean_length" in log]
-        generated = median_after_warmup(lengths) * generations if lengths else None
+        completions = rec.get("completions_per_step", generations)  # G a prompt x prompts a step
+        generated = median_after_warmup(lengths) * completions if lengths else None
         busy = med["step_s"] - med["generate_and_score_s"]
         out.update(generation_s=med["generation_s"], logprob_pass_s=med["logprob_pass_s"],
                    generate_and_score_s=med["generate_and_score_s"], update_s=busy,

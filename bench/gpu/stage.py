@@ -1,15 +1,15 @@
 """One training stage exactly as `vlmexp train sft|grpo` runs it in-process, plus a callback that records each step.
 
-    python bench/gpu/stage.py sft|grpo CONFIG RECORD.json [key=value ...] [--hide mlflow,prefect]
+    python bench/gpu/stage.py sft|dpo|grpo CONFIG RECORD.json [key=value ...] [--hide mlflow,prefect]
 
 `--hide` makes those packages unimportable in this process, as on a GPU box that lacks them (CI checks
 that `tracking.backend: none` trains without mlflow and prefect that way).
 
-`vlmexp train` (launcher local) calls `run_sft(cfg)` / `run_grpo(cfg)`; this calls the same functions
+`vlmexp train` (launcher local) calls `run_sft(cfg)` / `run_dpo(cfg)` / `run_grpo(cfg)`; this calls the same functions
 (`run_grpo` is `build_grpo_trainer` + `train_and_save`, done here in two steps so the GRPO phases can be
 timed) with `StepRecorder` among the trainer's callbacks, and writes what it saw to RECORD.json:
-per optimizer step its wall time, GRPO's generation / log-prob / update split, the tokens TRL counted,
-peak GPU memory; and which of mlflow / prefect the run imported.
+per optimizer step its wall time, GRPO's generation / log-prob / update split and the seconds its pairing
+guard took, the tokens TRL counted, peak GPU memory; and which of mlflow / prefect the run imported.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class StepRecorder(TrainerCallback):
         self.logs: list[dict] = []
         self._t0 = 0.0
         self.model_info: dict = {}
+        self.trainer = None  # GRPO: the trainer whose pairing guard's seconds each step records
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         self.model_info = {**parameter_counts(model), "processor_class": type(processing_class).__name__}
@@ -58,6 +59,9 @@ class StepRecorder(TrainerCallback):
 
         sync()
         step = {"step": state.global_step, "step_s": time.perf_counter() - self._t0, **self.phases}
+        if self.trainer is not None:
+            total = self.trainer.guard_seconds
+            step["guard_s"] = total - sum(s.get("guard_s", 0.0) for s in self.steps)
         if torch.cuda.is_available():
             step["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.steps.append(step)
@@ -88,6 +92,7 @@ def instrument_grpo(trainer, recorder: StepRecorder) -> None:
     reference model); the update is the rest of the step (forward, backward, optimizer)."""
     import torch
 
+    recorder.trainer = trainer
     trainer._generate = timed(recorder, lambda: "generation_s", trainer._generate)
     trainer._generate_and_score_completions = timed(recorder, lambda: "generate_and_score_s",
                                                     trainer._generate_and_score_completions)
@@ -107,7 +112,7 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["sft", "grpo"])
+    parser.add_argument("stage", choices=["sft", "dpo", "grpo"])
     parser.add_argument("config")
     parser.add_argument("record")
     parser.add_argument("overrides", nargs="*")
@@ -117,6 +122,7 @@ def main() -> None:
         sys.modules[name] = None  # type: ignore[assignment]  # import fails, find_spec says absent
     stage, config, record, overrides = args.stage, args.config, args.record, args.overrides
     from vlmexp.config_loader import load_config
+    from vlmexp.train.dpo import run_dpo
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.sft import run_sft
     from vlmexp.train.stage import train_and_save
@@ -128,10 +134,13 @@ def main() -> None:
                     "hidden_packages": args.hide}
     if stage == "sft":
         final = run_sft(cfg, callbacks=[recorder])
+    elif stage == "dpo":
+        final = run_dpo(cfg, callbacks=[recorder])
     else:
         trainer, inputs, rows = build_grpo_trainer(cfg, None, [recorder])
         instrument_grpo(trainer, recorder)
         final = train_and_save(trainer, inputs, rows)
+        result["completions_per_step"] = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
     result.update(recorder.model_info, final=str(final), steps=recorder.steps, logs=recorder.logs,
                   peak_memory=json.loads((Path(final).parent / "peak_memory.json").read_text()),
                   imported={m: sys.modules.get(m) is not None for m in ("mlflow", "prefect", "torchvision", "deepspeed")})
