@@ -37,7 +37,6 @@ def main() -> None:
     from vlmexp.config_loader import load_config
     from vlmexp.data.record import read_sampled
     from vlmexp.train.grpo import build_grpo_trainer
-    from vlmexp.train.grpo_pairing import expected_grid
 
     overrides = [*MIXED, *STEP, f"grpo.args.gradient_accumulation_steps={args.prompts_per_step}",
                  f"grpo.args.max_completion_length={args.new_tokens}", f"grpo.args.max_steps={args.steps}"]
@@ -45,7 +44,7 @@ def main() -> None:
         cfg = load_config(REPO / "configs" / "demo.yaml", [f"run.output_dir={tmp}", "tracking.backend=none",
                                                            *overrides])
         trainer, inputs, _ = build_grpo_trainer(cfg)
-        grids = {tuple(expected_grid(r.image_sizes, inputs.budget).flatten().tolist())
+        grids = {tuple(inputs.family.image_layout(r.image_sizes, inputs.budget).flatten().tolist())
                  for r in read_sampled(inputs.train_path)}
         per_step = []
         trainer.add_callback(_GuardPerStep(trainer, per_step))

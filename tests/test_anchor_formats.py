@@ -225,13 +225,13 @@ def _assert_loss_on_assistant_turns_only(cfg, final: Path) -> None:
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     from vlmexp.families import get_family
-    from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.processor import load_processor
     from vlmexp.train.data import build_dataset
 
     family = get_family("qwen2_5_vl")
-    processor = load_processor(str(final), family, cfg.model.min_pixels, cfg.model.max_pixels)
-    rows = build_dataset(Path(cfg.run.output_dir) / "data" / "train.jsonl", cfg.data, family, pixel_budget(processor),
-                         "sft")
+    processor = load_processor(str(final), family, cfg.model.image_knobs)
+    rows = build_dataset(Path(cfg.run.output_dir) / "data" / "train.jsonl", cfg.data, family,
+                         family.image_budget(processor), "sft")
     assert rows.column_names == ["messages", "images"]
     collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True,
                                                      chat_template=get_training_chat_template(processor))

@@ -52,11 +52,12 @@ def test_pixels_frame_needs_budget():
 
 def test_budget_read_from_a_loaded_processor(tiny_models):
     from vlmexp.families import detect_family
-    from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.processor import load_processor
 
     for family, patch in (("qwen2_5_vl", 14), ("qwen3_vl", 16)):
-        proc = load_processor(tiny_models[family], detect_family(tiny_models[family]), 3136, 12845056)
-        assert pixel_budget(proc) == PixelBudget(patch, 2, 3136, 12845056)
+        fam = detect_family(tiny_models[family])
+        proc = load_processor(tiny_models[family], fam, {"min_pixels": 3136, "max_pixels": 12845056})
+        assert fam.image_budget(proc) == PixelBudget(patch, 2, 3136, 12845056)
         # The processor really resizes to what our smart_resize says.
         from PIL import Image
 

@@ -39,14 +39,15 @@ def test_the_guards_expected_grid_is_the_processors_for_any_size_and_budget(tiny
     from PIL import Image
 
     from vlmexp.families import detect_family
-    from vlmexp.processor import load_processor, pixel_budget
-    from vlmexp.train.grpo_pairing import expected_grid
+    from vlmexp.processor import load_processor
 
     sizes = [[64, 64], [333, 217], [84, 140], [1000, 90], [90, 700], [2048, 1536], [29, 57]]
     for min_pixels, max_pixels in ((3136, 102400), (3136, 12845056), (65536, 262144)):
-        proc = load_processor(tiny_models[family], detect_family(tiny_models[family]), min_pixels, max_pixels)
+        fam = detect_family(tiny_models[family])
+        proc = load_processor(tiny_models[family], fam, {"min_pixels": min_pixels, "max_pixels": max_pixels})
         got = proc.image_processor(images=[Image.new("RGB", tuple(s)) for s in sizes], return_tensors="pt")
-        assert expected_grid(sizes, pixel_budget(proc)).tolist() == got["image_grid_thw"].tolist()
+        budget = fam.image_budget(proc)
+        assert [fam.image_layout([s], budget).tolist()[0] for s in sizes] == got["image_grid_thw"].tolist()
 
 
 def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_record(tmp_path):
@@ -54,7 +55,6 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     import torch
 
     from vlmexp.train.grpo import build_grpo_trainer
-    from vlmexp.train.grpo_pairing import expected_grid
     from vlmexp.train.stage import train_and_save
 
     # 8 prompts x 8 completions per optimizer step, in 2 micro-batches of 4 prompts each (fewer, larger
@@ -64,7 +64,8 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     records = _records(cfg)
     trainer, inputs, rows = build_grpo_trainer(cfg)
     sizes = {tuple(map(tuple, r.image_sizes)) for r in records.values()}
-    grids = {tuple(expected_grid(r.image_sizes, inputs.budget).flatten().tolist()) for r in records.values()}
+    grids = {tuple(inputs.family.image_layout(r.image_sizes, inputs.budget).flatten().tolist())
+             for r in records.values()}
     assert len(sizes) >= 3 and len(grids) >= 3, (sizes, grids)
     check = rewards_for_tests.record_check
     check.records, check.mismatches, check.seen = records, [], 0
@@ -81,19 +82,24 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     assert trainer.guard_seconds > 0
 
 
-def _mispair(monkeypatch):
-    """TRL's shuffle, except the images move one sample on (the kind of slip a future TRL could make)."""
+def _rotate_after_shuffle(monkeypatch, keys):
+    """TRL's shuffle, except what `keys` hold moves one sample on (the kind of slip a future TRL could make)."""
     from trl.trainer import grpo_trainer
 
     shuffle = grpo_trainer.shuffle_sequence_dict
 
     def shuffled_then_rotated(batch):
         out = shuffle(batch)
-        for key in ("pixel_values", "image_grid_thw"):
+        for key in keys:
             out[key] = out[key][1:] + out[key][:1]
         return out
 
     monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", shuffled_then_rotated)
+
+
+def _mispair(monkeypatch):
+    """The images move one sample on."""
+    _rotate_after_shuffle(monkeypatch, ("pixel_values", "image_grid_thw"))
 
 
 def _right_pad(monkeypatch):
@@ -143,3 +149,44 @@ def test_the_guard_stops_a_broken_pairing_before_the_first_update(tmp_path, monk
     with pytest.raises(PairingError, match=r"GRPO step 0: " + message):
         run_grpo(cfg)
     assert not seen and not (tmp_path / "grpo" / "final").exists()
+
+
+INTERNVL = ["model.path=tiny:internvl", "model.min_pixels=null", "model.max_pixels=null", "model.max_patches=6",
+            "data.demo.width=[64,250]"]  # aspect ratios 0.7 to 3.9: 1 to 7 tiles an image
+
+
+def test_internvl_tile_counts_differ_per_prompt_and_each_sample_keeps_its_own(tmp_path, monkeypatch):
+    """TRL 1.16 carries InternVL's tiles per sample (`num_tiles`) through shuffle and split: 8 prompts x 4 per step
+    over images of several tile counts train, each completion scored against its own record; the guard passes,
+    and stops the same run when the tiles are moved to another sample."""
+    import rewards_for_tests
+    import torch
+
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.grpo_pairing import PairingError
+    from vlmexp.train.stage import train_and_save
+
+    steps = ["grpo.args.per_device_train_batch_size=16", "grpo.args.gradient_accumulation_steps=2",
+             "grpo.args.num_generations=4"]
+    cfg = _cfg(tmp_path / "ok", *INTERNVL, "grpo.args.max_steps=2", *steps)
+    records = _records(cfg)
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    tiles = {inputs.budget.tiles(*r.image_sizes[0]) for r in records.values()}
+    assert len(tiles) >= 3 and max(tiles) > 1, tiles
+    check = rewards_for_tests.record_check
+    check.records, check.mismatches, check.seen = records, [], 0
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    train_and_save(trainer, inputs, rows)
+    assert trainer.state.global_step == 2 and check.seen == 2 * 8 * 4 and check.mismatches == []
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert trainer.guard_seconds > 0
+
+    _rotate_after_shuffle(monkeypatch, ("pixel_values", "num_tiles"))  # InternVL's tiles move one sample on
+    bad = _cfg(tmp_path / "bad", *INTERNVL, "grpo.args.max_steps=1", *steps)
+    check.records = _records(bad)
+    trainer, inputs, rows = build_grpo_trainer(bad)
+    with pytest.raises(PairingError, match=r"GRPO step 0: completions paired with images that are not their prompt's "
+                                           r".*sample \d+ \(record \d+\): (tiles \[\d+\], its record's \[\d+\]|"
+                                           r"pixels of another image)"):
+        trainer.train()
+    assert trainer.state.global_step == 0

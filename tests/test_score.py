@@ -53,7 +53,7 @@ def test_score_pixel_budget_options_change_the_frame(tmp_path):
     make_png(tmp_path / "wide.png", size=(1000, 500))
     rec = {"image": "wide.png", "problem": "p", "solution": [100, 50, 200, 100], "task": "rec"}
     preds = write_jsonl(tmp_path / "p.jsonl", [{**rec, "completion": "<answer>[70, 33.6, 140, 67.2]</answer>"}])
-    small, _ = score_predictions(preds, "qwen2_5_vl", max_pixels=250000)
+    small, _ = score_predictions(preds, "qwen2_5_vl", {"max_pixels": 250000})
     default, _ = score_predictions(preds, "qwen2_5_vl")
     assert small["rec_mean_iou"] == pytest.approx(1.0)
     assert default["rec_mean_iou"] < 0.2

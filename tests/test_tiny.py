@@ -10,6 +10,12 @@ from vlmexp.families import FAMILIES, detect_family
 from vlmexp.processor import load_processor
 
 
+IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "internvl": "<IMG_CONTEXT>\n"}  # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_model_round_trip(tiny_models, family):
     import torch
@@ -28,15 +34,17 @@ def test_tiny_model_round_trip(tiny_models, family):
     assert 0.3e6 < sum(p.numel() for p in model.parameters()) < 3e6
     tok = proc.tokenizer
     assert [tok.decode([t]) for t in tok("x=2024")["input_ids"][-4:]] == ["2", "0", "2", "4"]
-    for special in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"):
+    for special in ("<|im_start|>", "<|im_end|>", fam.image_token, *fam.vision_tokens):
         assert len(tok(special)["input_ids"]) == 1
-    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert model.config.image_token_id == tok.convert_tokens_to_ids(fam.image_token)
 
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Locate the red square."}]}]
     text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert "<|vision_start|><|image_pad|><|vision_end|>Locate the red square.<|im_end|>" in text
+    assert IMAGE_PART[fam.name] + "Locate the red square.<|im_end|>" in text  # the official templates' image part
     assert text.endswith("<|im_start|>assistant\n")
     inputs = proc(text=[text], images=[Image.new("RGB", (120, 90), "red")], return_tensors="pt")
+    budget = fam.image_budget(proc)
+    assert (inputs["input_ids"] == model.config.image_token_id).sum() == fam.image_tokens(120, 90, budget)
     with torch.no_grad():
         logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()

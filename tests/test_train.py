@@ -66,7 +66,7 @@ def test_sft_loss_falls_and_parameters_change(tmp_path):
     preds = tmp_path / "predictions.jsonl"
     preds.write_text("".join(json.dumps({**json.loads(line), "completion": s["completion"]}) + "\n"
                              for line, s in zip(records.read_text().splitlines(), samples, strict=True)))
-    metrics, rows = score_predictions(preds, "qwen2_5_vl", cfg.model.min_pixels, cfg.model.max_pixels)
+    metrics, rows = score_predictions(preds, "qwen2_5_vl", cfg.model.image_knobs)
     assert metrics == result.metrics and metrics["count"] == 16
     assert [r["score"] for r in rows] == [s["score"] for s in samples]
     assert {"image", "prompt", "completion", "answer", "score"} <= samples[0].keys()

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
 def _rec_scorer(tmp_path, n_records: int):
     """`score` over `n_records` copies of a 1000x500 rec record (GT [100, 50, 200, 100], [100.8, 50.4, 201.6,
     100.8] in Qwen2.5-VL's frame at the released pixel budget), as validation builds it."""
-    from vlmexp.coords import RELEASED_PIXELS
     from vlmexp.evaluate import read_predictions, score_records
+    from vlmexp.families.qwen import RELEASED_PIXELS
     from vlmexp.processor import PixelBudget
 
     make_png(tmp_path / "wide.png", size=(1000, 500))

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from vlmexp.config import TRAINING_STAGES
-from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import Problem, VlmexpError
-from vlmexp.families import FAMILIES
+from vlmexp.families import BUDGET_KNOBS, FAMILIES, get_family
+from vlmexp.families.qwen import RELEASED_PIXELS
 
 
 def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> None:
@@ -150,20 +150,31 @@ def cmd_score(args: argparse.Namespace) -> int:
     from vlmexp.files import atomic_write
     from vlmexp.path_checks import check_output_file
 
-    pixels = [(f"--{k.replace('_', '-')}", getattr(args, k), "must be a positive number of pixels")
-              for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None and getattr(args, k) <= 0]
-    if args.min_pixels and args.max_pixels and args.min_pixels > args.max_pixels:
-        pixels.append(("--min-pixels", args.min_pixels, f"exceeds --max-pixels {args.max_pixels}; swap them"))
+    knobs = {k: getattr(args, k) for k in BUDGET_KNOBS if getattr(args, k) is not None}
     root = args.image_root
-    check_arguments("score", *pixels, ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
+    check_arguments("score", *_budget_problems(get_family(args.family), knobs), ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
                     ("--image-root", root, root and not Path(root).is_dir() and "no such folder; fix the path"))
     check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
-    metrics, rows = score_predictions(args.predictions, args.family, args.min_pixels, args.max_pixels, args.image_root,
-                                      args.prefilled_think, args.math_grader)
+    metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root, args.prefilled_think,
+                                      args.math_grader)
     if args.per_sample:
         atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _budget_problems(family, knobs: dict[str, int]) -> list[tuple[str, object, str | None]]:
+    """`vlmexp score`'s image-budget options: positive, low <= high, and the family's own (others refused)."""
+    def option(knob: str) -> str:
+        return "--" + knob.replace("_", "-")
+
+    problems = [(option(k), v, "must be a positive number" if v <= 0 else None if k in family.budget_knobs else
+                 f"does not apply to {family.name} ({family.budget_summary}); use "
+                 f"{' / '.join(option(b) for b in family.budget_knobs)}") for k, v in knobs.items()]
+    for low, high in (("min_pixels", "max_pixels"), ("min_patches", "max_patches")):
+        if knobs.get(low, 0) > knobs.get(high, float("inf")):
+            problems.append((option(low), knobs[low], f"exceeds {option(high)} {knobs[high]}; swap them"))
+    return problems
 
 
 def _grader_problem(grader: str | None) -> str | None:
@@ -340,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("predictions", help="JSONL: one data record per line (any format `sample` reads) plus `completion`")
     p.add_argument("--family", required=True, choices=list(FAMILIES), help="the box frame of the completions")
     p.add_argument("--min-pixels", type=int,
-                   help=f"image processor min_pixels (default: released checkpoints', {RELEASED_PIXELS[0]})")
+                   help=f"Qwen-VL: image processor min_pixels (default: released checkpoints', {RELEASED_PIXELS[0]})")
     p.add_argument("--max-pixels", type=int,
-                   help=f"image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
+                   help=f"Qwen-VL: image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
+    p.add_argument("--min-patches", type=int, help="InternVL: fewest tiles per image (default: released checkpoints', 1)")
+    p.add_argument("--max-patches", type=int, help="InternVL: most tiles per image (default: released checkpoints', 12)")
     p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
     p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
     p.add_argument("--math-grader", choices=["math_verify", "mathruler"],

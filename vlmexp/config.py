@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from vlmexp.families import FAMILIES, TINY_PREFIX, FamilyName
+from vlmexp.families import BUDGET_KNOBS, FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact", "detection"]
 TASKS: tuple[str, ...] = ("rec", "math", "exact", "detection")
@@ -131,8 +131,16 @@ class ModelConfig(Section):
         "auto", description="Weights' dtype when loading; auto: the checkpoint's own (float32 for tiny models).")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
         "sdpa", description="transformers' attention kernel; flash_attention_* need the flash-attn package (GPU).")
-    min_pixels: PositiveInt | None = Field(None, description="Image pixel floor; default: the processor's.")
-    max_pixels: PositiveInt | None = Field(None, description="Image pixel ceiling; default: the processor's.")
+    min_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: smart_resize's image pixel floor; "
+                                           "default: the processor's. Refused for internvl, which tiles.")
+    max_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: smart_resize's image pixel ceiling; "
+                                           "default: the processor's. Refused for internvl, which tiles.")
+    min_patches: PositiveInt | None = Field(None, description="internvl: fewest tiles an image is cut into; default: "
+                                            "the processor's (1). Refused for the Qwen-VL families.")
+    max_patches: PositiveInt | None = Field(None, description="internvl: most tiles (448 x 448 crops in the released "
+                                            "checkpoints, plus a thumbnail when there is more than one) an image is "
+                                            "cut into, VLM-R1's max_anyres_num; default: the processor's (12). "
+                                            "Refused for the Qwen-VL families.")
     trust_remote_code: bool = Field(False, description="Let transformers run Python code shipped with the "
                                                         "checkpoint (only for checkpoints you trust).")
     tiny: TinyModelConfig | None = Field(None, description="Sizes for tiny:<family> models.")
@@ -150,6 +158,8 @@ class ModelConfig(Section):
     def _consistent(self) -> ModelConfig:
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels}): swap them")
+        if self.min_patches and self.max_patches and self.min_patches > self.max_patches:
+            raise ValueError(f"min_patches ({self.min_patches}) exceeds max_patches ({self.max_patches}): swap them")
         if self.tiny is not None and not self.path.startswith(TINY_PREFIX):
             raise ValueError("model.tiny applies only to model.path: tiny:<family>; remove model.tiny")
         if self.path.startswith(TINY_PREFIX):
@@ -157,7 +167,14 @@ class ModelConfig(Section):
             if self.family not in (None, family):
                 raise ValueError(f"family {self.family!r} contradicts path {self.path!r}: remove model.family")
             self.family = family  # type: ignore[assignment]
+        if self.family is not None:  # else checked once the checkpoint's family is read (vlmexp.processor)
+            FAMILIES[self.family].check_budget_knobs(self.image_knobs)
         return self
+
+    @property
+    def image_knobs(self) -> dict[str, int | None]:
+        """The image-budget fields (BUDGET_KNOBS), for `vlmexp.processor.load_processor`."""
+        return {k: getattr(self, k) for k in BUDGET_KNOBS}
 
     @property
     def is_tiny(self) -> bool:

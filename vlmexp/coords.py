@@ -2,7 +2,7 @@
 
 Qwen2.5-VL answers in absolute pixels of the image *after* smart_resize; Qwen2-VL and Qwen3-VL answer
 on a 0-1000 grid. Ground truth stays in original pixels; everything maps through here, with the pixel
-budget read from the loaded processor (`vlmexp.processor.pixel_budget`), so SFT targets, GRPO rewards
+budget read from the loaded processor (`Family.image_budget`), so SFT targets, GRPO rewards
 and evaluation agree. `smart_resize` is transformers' algorithm, restated so that scoring does not
 import torch; a test checks the two agree.
 """
@@ -16,14 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmexp.errors import short
-from vlmexp.families import BoxFrame
+from vlmexp.families.base import BoxFrame
 
 Box = list[float]  # [x1, y1, x2, y2]
 
-# The pixel bounds the released Qwen2(.5)-VL checkpoints ship (preprocessor_config.json; class defaults
-# differ): min_pixels 4x28x28, max_pixels 16384x28x28. Used only where no processor can be read
-# (`vlmexp score`); everything else reads the loaded processor.
-RELEASED_PIXELS = (3136, 12845056)
 MAX_ASPECT_RATIO = 200
 
 

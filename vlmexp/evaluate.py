@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmexp.config import Config
-from vlmexp.coords import RELEASED_PIXELS
 from vlmexp.errors import short
 
 if TYPE_CHECKING:
@@ -147,17 +146,16 @@ def check_sampled_records(path: str | Path) -> None:
         raise DataError(problems[:50], title=f"invalid records file {path}")
 
 
-def score_predictions(path: str | Path, family_name: str, min_pixels: int | None = None,
-                      max_pixels: int | None = None, image_root: str | Path | None = None,
-                      prefilled_think: bool = False, math_grader: str | None = None):
-    """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`;
+def score_predictions(path: str | Path, family_name: str, knobs: dict[str, int | None] | None = None,
+                      image_root: str | Path | None = None, prefilled_think: bool = False,
+                      math_grader: str | None = None):
+    """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`; the
+    family's image budget is its released checkpoints' with `knobs` (min/max pixels or patches) applied;
     `prefilled_think`: the completions begin inside a think block the template opened."""
     from vlmexp.families import get_family
-    from vlmexp.processor import PixelBudget
 
     family = get_family(family_name)
-    budget = PixelBudget(family.default_patch_size, 2, min_pixels or RELEASED_PIXELS[0],
-                         max_pixels or RELEASED_PIXELS[1])
+    budget = family.released_budget(family.check_budget_knobs(knobs or {}))
     records, completions = read_predictions(path, image_root)
     return score_records(records, completions, family.box_frame, budget, (), prefilled_think, math_grader)
 
@@ -169,9 +167,10 @@ class EvalResult:
     samples_path: Path
 
 
-def generate(model, processor, prompts: list[list[dict]], images: list[list], max_new_tokens: int,
+def generate(model, processor, family, prompts: list[list[dict]], images: list[list], max_new_tokens: int,
              temperature: float, batch_size: int) -> list[str]:
-    """Completions for chat prompts with their images, batched with left padding."""
+    """Completions for chat prompts with their images, batched with left padding; the family's vision tokens
+    are never generated."""
     import torch
 
     from vlmexp.modeling import vision_token_ids
@@ -190,7 +189,7 @@ def generate(model, processor, prompts: list[list[dict]], images: list[list], ma
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.inference_mode():
             generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                       suppress_tokens=vision_token_ids(processor), **sampling)
+                                       suppress_tokens=vision_token_ids(processor, family), **sampling)
         new_tokens = generated[:, inputs["input_ids"].shape[1]:]
         out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     return out
@@ -212,7 +211,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
     from vlmexp.modeling import load_for_inference
-    from vlmexp.processor import pixel_budget, prefills_think
+    from vlmexp.processor import prefills_think
     from vlmexp.prompts import build_prompt, load_images
 
     set_seed(cfg.run.seed)
@@ -221,9 +220,9 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
         records = records[: cfg.eval.max_samples]
     model, processor, family = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
-    completions = generate(model, processor, prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
-                           cfg.eval.temperature, cfg.eval.batch_size)
-    metrics, rows = score_records(records, completions, family.box_frame, pixel_budget(processor),
+    completions = generate(model, processor, family, prompts, [load_images(r.images) for r in records],
+                           cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.batch_size)
+    metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
                                   cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader)
     for row, prompt in zip(rows, prompts, strict=True):
         row["prompt"] = prompt[-1]["content"]

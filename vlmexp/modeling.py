@@ -15,11 +15,10 @@ from typing import Any
 
 from vlmexp.config import Config, ModelConfig, StageConfig
 from vlmexp.errors import ConfigError, Problem
-from vlmexp.families import TINY_PREFIX, Family, detect_family, get_family
+from vlmexp.families import FAMILIES, TINY_PREFIX, Family, detect_family, get_family
 from vlmexp.path_checks import is_hub_id
 
 log = logging.getLogger("vlmexp.model")
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def tiny_spec(cfg: ModelConfig):
@@ -42,8 +41,8 @@ def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family
         return str(folder), family
     if is_hub_id(cfg.path):
         if cfg.family is None:
-            raise ValueError(f"model.path {cfg.path!r} is a hub id: set model.family (one of qwen2_vl, "
-                             f"qwen2_5_vl, qwen3_vl) or download it and give the local folder")
+            raise ValueError(f"model.path {cfg.path!r} is a hub id: set model.family (one of "
+                             f"{', '.join(FAMILIES)}) or download it and give the local folder")
         return cfg.path, get_family(cfg.family)
     family = detect_family(cfg.path)
     if cfg.family and cfg.family != family.name:
@@ -84,7 +83,8 @@ def load_pretrained(cfg: Config, model_path: str, family: Family, quantize_4bit:
     if quantize_4bit:
         extra["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=["visual", "lm_head"])
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            llm_int8_skip_modules=[family.vision_module.strip("."), family.projector_module.strip("."), "lm_head"])
     return getattr(transformers, family.model_class).from_pretrained(
         model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code, **extra,
@@ -142,19 +142,18 @@ def load_for_training(cfg: Config, stage_cfg: StageConfig, path: str, family: Fa
         model = PeftModel.from_pretrained(model, path, is_trainable=True)
         log.info("continuing to train the adapter in %s", path)
         return model, None
-    frozen = freeze(model, vision=stage_cfg.freeze_vision, merger=stage_cfg.freeze_merger)
+    frozen = freeze(model, family, vision=stage_cfg.freeze_vision, merger=stage_cfg.freeze_merger)
     if frozen:
         log.info("froze %d vision parameters", frozen)
     return model, lora_config(stage_cfg)
 
 
-def freeze(model, vision: bool, merger: bool) -> int:
+def freeze(model, family: Family, vision: bool, merger: bool) -> int:
     """Stop gradients to the vision tower and/or the merger (projector); return the number of tensors frozen."""
     n = 0
     for name, param in model.named_parameters():
-        if "visual." not in name:
-            continue
-        if (merger if "merger" in name else vision):
+        part = family.vision_part(name)
+        if (part == "vision" and vision) or (part == "projector" and merger):
             param.requires_grad_(False)
             n += 1
     return n
@@ -171,11 +170,12 @@ def lora_config(stage_cfg: StageConfig):
                       modules_to_save=p.modules_to_save, task_type="CAUSAL_LM")
 
 
-def vision_token_ids(processor) -> list[int]:
-    """Ids of the vision placeholder tokens. A completion must never contain them: Qwen-VL's rope index
-    counts them as image positions, and the policy's forward pass fails with a shape mismatch."""
+def vision_token_ids(processor, family: Family) -> list[int]:
+    """Ids of the family's vision placeholder tokens. A completion must never contain them: Qwen-VL's rope index
+    counts them as image positions, InternVL puts image features there, and the policy's forward pass fails with
+    a shape mismatch."""
     tok = processor.tokenizer
-    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    ids = [tok.convert_tokens_to_ids(t) for t in family.vision_tokens]
     return [i for i in ids if i is not None and i != tok.unk_token_id]
 
 
@@ -196,6 +196,5 @@ def load_for_inference(cfg: Config, model_path: str):
     model.eval()
     if torch.cuda.is_available():  # generation on the GPU the process owns (torchrun's LOCAL_RANK), not the CPU
         model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
-                               trust_remote_code=cfg.model.trust_remote_code)
+    processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
     return model, processor, family

@@ -68,6 +68,8 @@ def check_config_paths(cfg: Config) -> list[Found]:
     out: list[Found] = []
     if msg := check_model_path(cfg.model.path):
         out.append((("model", "path"), cfg.model.path, msg))
+    elif cfg.model.family is None and not is_hub_id(cfg.model.path):
+        out += _check_budget_knobs(cfg)
     if msg := check_output_dir(cfg.run.output_dir):
         out.append((("run", "output_dir"), cfg.run.output_dir, msg))
     else:
@@ -197,6 +199,20 @@ def check_output_file(path: str | Path) -> str | None:
     if p.is_dir():
         return f"{p} is a folder; give a file path"
     return check_output_dir(p.parent)
+
+
+def _check_budget_knobs(cfg: Config) -> list[Found]:
+    """A local checkpoint's family, read from its config.json, refuses the other family's image-budget fields
+    (the schema checks them itself when the family is named or tiny)."""
+    from vlmexp.families import detect_family
+
+    if (Path(cfg.model.path).expanduser() / "adapter_config.json").is_file():
+        return []  # an adapter's base is checked when its processor loads (vlmexp.processor.load_processor)
+    try:
+        detect_family(Path(cfg.model.path).expanduser()).check_budget_knobs(cfg.model.image_knobs)
+    except ValueError as e:
+        return [(("model",), cfg.model.path, str(e))]
+    return []
 
 
 def check_checkpoint(path: str | Path) -> str | None:

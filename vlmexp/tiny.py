@@ -1,16 +1,16 @@
-"""Build the embedded model: a tiny random-weight Qwen-VL of any supported family, offline.
+"""Build the embedded model: a tiny random-weight model of any supported family, offline.
 
 The folder written here is a normal Hugging Face checkpoint (config.json, safetensors, tokenizer,
 chat template, image processor), so every code path that loads a real checkpoint loads this one.
 The tokenizer is a byte-level BPE trained locally on a small corpus of the prompts and answers the
-pipeline uses, with Qwen's pre-tokenizer (every digit its own token) and Qwen's special tokens.
+pipeline uses, with Qwen's pre-tokenizer (every digit its own token) and the family's special tokens; the
+family module (vlmexp/families/) gives the model config, the image processor and the processor.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from importlib.resources import files
 from pathlib import Path
 
 from pydantic import ConfigDict
@@ -18,18 +18,6 @@ from pydantic import ConfigDict
 from vlmexp.config import TinyModelConfig
 from vlmexp.families import Family, get_family
 from vlmexp.files import new_folder
-
-# Qwen-VL's special tokens, in the order the real tokenizers number them.
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
-EXTRA_TOKENS = {  # added as plain (non-special) tokens, as the real tokenizers do
-    "qwen2_vl": ["<tool_call>", "</tool_call>"],
-    "qwen2_5_vl": ["<tool_call>", "</tool_call>"],
-    "qwen3_vl": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
-}
 
 _WORDS = (
     "the a an of in on at to is are what where which find locate output box bounding coordinates "
@@ -52,6 +40,7 @@ class TinySpec(TinyModelConfig):
     vision_intermediate_size: int | None = None  # default: 2 x vision_hidden_size
     vision_fullatt_blocks: tuple[int, ...] | None = None  # qwen2_5_vl windowed attention; default: the last block
     mrope_section: tuple[int, int, int] | None = None  # default: split of head_dim / 2 (it must sum to that)
+    tile_size: int | None = None  # internvl: a tile's side; default 112 (16 tokens a tile; released checkpoints: 448)
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -124,95 +113,19 @@ def build_tokenizer(family: Family, spec: TinySpec):
         pad_token="<|endoftext|>",
         errors="replace",
         model_max_length=32768,
+        **family.named_tokens,  # e.g. InternVL's start_image_token: attributes its processor reads
     )
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True) for t in SPECIAL_TOKENS]}
+        {"additional_special_tokens": [AddedToken(t, special=True) for t in family.special_tokens]}
     )
-    tokenizer.add_tokens([AddedToken(t, special=False) for t in EXTRA_TOKENS[family.name]])
-    tokenizer.chat_template = official_chat_template(family)
+    tokenizer.add_tokens([AddedToken(t, special=False) for t in family.extra_tokens])
+    tokenizer.chat_template = family.chat_template()
     return tokenizer
 
 
-def official_chat_template(family: Family) -> str:
-    """The family's original chat template, as TRL ships it."""
-    return (files("trl") / "chat_templates" / family.chat_template).read_text()
-
-
 def model_config(family: Family, spec: TinySpec, tokenizer):
-    """A transformers config of the family at `spec`'s sizes, wired to the tokenizer's special ids.
-
-    The one place vlmexp and bench/ build a Qwen-VL config: every depth-dependent list (text `layer_types`,
-    vision full-attention blocks) is derived here from the depth, never left from another depth.
-    """
-    import transformers
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = spec.model_vocab_size or -(-len(tokenizer) // 64) * 64  # rounded up to 64, as real checkpoints do
-    if vocab < len(tokenizer):
-        raise ValueError(f"model_vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens: raise it")
-    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    if family.name != "qwen3_vl" and head_dim * spec.num_heads != spec.hidden_size:
-        raise ValueError(f"{family.name} needs hidden_size = num_heads x head_dim; got {spec.hidden_size} != "
-                         f"{spec.num_heads} x {head_dim}: change hidden_size or num_heads")
-    half = head_dim // 2  # mrope_section (t, h, w) must sum to head_dim / 2
-    mrope = list(spec.mrope_section or (half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8))
-    if sum(mrope) != half:
-        raise ValueError(f"mrope_section {mrope} must sum to head_dim / 2 = {half}")
-    text = dict(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        # transformers 5 reads one entry per layer; a list left from another depth fails the first forward
-        # with IndexError in the attention layer
-        layer_types=["full_attention"] * spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": mrope},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
-    vision = dict(
-        depth=spec.vision_depth,
-        num_heads=spec.vision_heads,
-        in_channels=3,
-        patch_size=family.default_patch_size,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-    )
-    if family.name == "qwen2_vl":
-        vision.update(embed_dim=spec.vision_hidden_size, hidden_size=spec.hidden_size, mlp_ratio=2)
-    elif family.name == "qwen2_5_vl":
-        vision.update(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
-            out_hidden_size=spec.hidden_size,
-            window_size=112,
-            fullatt_block_indexes=list(spec.vision_fullatt_blocks or [spec.vision_depth - 1]),
-        )
-    else:  # qwen3_vl: explicit head_dim, interleaved mrope, deepstack features
-        text.update(head_dim=head_dim)
-        text["rope_parameters"]["mrope_interleaved"] = True
-        vision.update(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
-            out_hidden_size=spec.hidden_size,
-            num_position_embeddings=256,
-            deepstack_visual_indexes=[spec.vision_depth - 1],
-        )
-    config_class = getattr(transformers, family.model_class.replace("ForConditionalGeneration", "Config"))
-    return config_class(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
+    """A transformers config of the family at `spec`'s sizes: the one place vlmexp and bench/ build one."""
+    return family.tiny_config(spec, tokenizer)
 
 
 def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinySpec | None = None,
@@ -226,8 +139,6 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
     import torch
     import transformers
     from transformers import GenerationConfig
-
-    from vlmexp.processor import images_only_class
 
     fam = get_family(family)
     spec = spec or TinySpec()
@@ -246,16 +157,9 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
             pad_token_id=config.text_config.pad_token_id,
             do_sample=False,
         )
-        image_processor = transformers.Qwen2VLImageProcessorPil(
-            patch_size=fam.default_patch_size,
-            merge_size=2,
-            temporal_patch_size=2,
-            **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if fam.name == "qwen3_vl" else {}),
-        )
-        processor = images_only_class(fam)(image_processor=image_processor, tokenizer=tokenizer,
-                                           chat_template=tokenizer.chat_template)
+        image_processor = fam.tiny_image_processor(spec)
+        processor = fam.tiny_processor(image_processor, tokenizer, spec)
         model.save_pretrained(tmp, is_main_process=True)  # whatever rank builds it (under a launcher) writes it
-        processor.save_pretrained(tmp)
-        image_processor.save_pretrained(tmp)  # preprocessor_config.json, as real checkpoints ship
+        processor.save_pretrained(tmp)  # with preprocessor_config.json, as real checkpoints ship
         (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **spec.model_dump()}, indent=2))
     return Path(out_dir)

@@ -70,27 +70,24 @@ def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, b
     TRL truncates such a sequence: cut inside the image placeholders, the model then fails with "Image
     features and image tokens do not match"; cut after them, the answer the loss is computed on is lost.
     """
-    from vlmexp.coords import smart_resize
     from vlmexp.errors import DataError, Problem
 
     if not max_length:
         return
     tokenizer = getattr(processor, "tokenizer", processor)
+    limit = family.budget_knobs[-1]  # the knob that caps an image's tokens: max_pixels, max_patches
     problems = []
     for n, record in enumerate(read_sampled(path), start=1):
-        image_tokens = 0
-        for width, height in record.image_sizes:
-            h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
-            image_tokens += (h // budget.patch_size) * (w // budget.patch_size) // budget.merge_size ** 2
+        image_tokens = sum(family.image_tokens(w, h, budget) for w, h in record.image_sizes)
         target = target_text(record, family, budget, target_template)
         text = "".join(m["content"] for m in build_prompt(record, data, family)) + target
         total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
         if total > max_length:
             problems.append(Problem(
                 f"{path}:{n}", field, f"record from {record.where} needs about "
-                f"{total} tokens ({image_tokens} for its image(s) of {record.image_sizes} at max_pixels "
-                f"{budget.max_pixels}), over {field} = {max_length}: truncation would cut the image tokens or the "
-                f"answer; raise {field} or lower model.max_pixels"))
+                f"{total} tokens ({image_tokens} for its image(s) of {record.image_sizes} at {limit} "
+                f"{getattr(budget, limit)}), over {field} = {max_length}: truncation would cut the image tokens or "
+                f"the answer; raise {field} or lower model.{limit}"))
             if len(problems) >= 20:
                 break
     if problems:

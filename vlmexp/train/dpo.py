@@ -127,7 +127,7 @@ def sample_and_score(inputs: StageInputs, records: list[SampledRecord], rewards:
     model, processor, _ = load_for_inference(cfg, inputs.model_path)
     prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
     images = [load_images(r.images) for r in records]
-    completions = generate(model, processor, [p for p in prompts for _ in range(k)],
+    completions = generate(model, processor, inputs.family, [p for p in prompts for _ in range(k)],
                            [im for im in images for _ in range(k)], max_new_tokens, temperature, batch_size)
     del model
     if torch.cuda.is_available():

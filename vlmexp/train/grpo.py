@@ -31,7 +31,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     inputs = prepare_stage(cfg, "grpo", model_path, mlflow_run_id)
     generation = dict(cfg.grpo.args.get("generation_kwargs") or {})
     if not cfg.grpo.args.get("use_vllm"):  # HF generate: keep vision placeholders out of completions
-        generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor))
+        generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor, inputs.family))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     check_rewards_score(cfg, set(train_dataset["task"]))  # before the model loads
@@ -46,7 +46,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
-                                 callbacks=list(callbacks), pixel_budget=inputs.budget)
+                                 callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table))
     return trainer, inputs, len(train_dataset)
 

@@ -25,12 +25,27 @@ prompt ids with the image placeholders already expanded plus the raw image and m
 (huggingface/trl#6294, open; fixes proposed in #6718 and #6719); the guard sees the tensors the loss uses, not vLLM's
 internal prompt, so check vLLM rollouts against HF generate before trusting them.
 
-Guard: every micro-batch that reaches the loss is checked per sample against its own record (the image
-grid the pixel budget gives the record's `image_sizes`, the number of image tokens, the image-token types)
-and against the pixels the processor made for it (a checksum taken before TRL shuffles and splits the
-generation batch, so two images of one grid cannot trade places unseen). It also catches TRL's other silent path: when any sample's image-token count does not
-match its grids, `_generate_and_score_completions` drops the images of the whole batch ("Drop all images",
-`has_mismatch`; in trl 1.16 reachable through tool-returned images) and would train on the text alone.
+InternVL (found with the tiny InternVL, trl 1.16.0): each image is cut into 1 to max_patches + 1 tiles, so
+`pixel_values` is tile-indexed ([total tiles, 3, 448, 448]) and samples of one generation batch hold different
+numbers of rows. TRL 1.16 handles that itself: `_generate_and_score_completions` asks the image processor for
+each image's `num_patches` (with crop_to_patches=True, the image processor's own min/max_patches) whenever
+the rows are not one per image, returns them as `num_tiles`, and split_pixel_values_by_grid /
+shuffle_sequence_dict / `_get_per_token_logps_and_entropies` cut `pixel_values` by them. InternVLProcessor pads
+on the left by default and InternVL's positions are plain 1D ones (no token types, no rope index), so the
+right-padding fault above does not arise either. Measured: 8 prompts x 4 completions per step over images of
+1 to 7 tiles, 4 micro-batches, every sample's tiles, image tokens and pixels its own. What the pipeline must
+keep true is that TRL's tile count and the processor's agree: `set_image_budget` writes the config's
+min/max_patches into the image processor (and crop_to_patches=True), the one both read. No fix needed; the
+guard below checks it on every micro-batch.
+
+Guard: every micro-batch that reaches the loss is checked per sample against its own record (the image layout
+the budget gives the record's `image_sizes`: Qwen-VL's grids, InternVL's tiles; the number of image tokens;
+the image-token types) and against the pixels the processor made for it (a checksum taken before TRL shuffles
+and splits the generation batch, so two images of one layout cannot trade places unseen). It also catches
+TRL's other silent path: when any sample's image-token count does not match its grids,
+`_generate_and_score_completions` drops the images of the whole batch ("Drop all images", `has_mismatch`; in
+trl 1.16 reachable through tool-returned images) and would train on the text alone. The family module says
+what a layout is (`Family.image_layout`, `batch_layouts`, `layout_rows`, `layout_tokens`).
 """
 
 from __future__ import annotations
@@ -41,10 +56,10 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from vlmexp.coords import smart_resize
+from vlmexp.families import Family
 
-# per-sample (record label, expected image grids [n_images, 3], pixel checksum) that travels with the
-# generation batch through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
+# per-sample (record label, images, expected image layout, pixel checksum) that travels with the generation batch
+# through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
 EXPECTED = "vlmexp_expected_images"
 
 
@@ -57,64 +72,57 @@ def left_pad(processor) -> None:
     getattr(processor, "tokenizer", processor).padding_side = "left"
 
 
-def expected_grid(image_sizes, budget) -> torch.Tensor:
-    """[n_images, 3] (t, h, w) patch grids the Qwen-VL processor gives images of `image_sizes` [[w, h], ...]."""
-    rows = []
-    for width, height in image_sizes or []:
-        h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
-        rows.append([1, h // budget.patch_size, w // budget.patch_size])
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
-
-
-def pixel_checksums(pixel_values: torch.Tensor, grids: torch.Tensor, num_images: list[int]) -> list[float]:
-    """One number per sample: the sum of every 64th value of its pixel rows (enough to tell two images of one
-    grid apart; a sixty-fourth of the work of summing them all, which took ~1 s per demo step on 2 CPU cores)."""
+def pixel_checksums(pixel_values: torch.Tensor, rows_per_sample: list[int]) -> list[float]:
+    """One number per sample: the sum of every 64th value of its pixel rows (a Qwen-VL patch row, an InternVL
+    tile); enough to tell two images of one layout apart, a sixty-fourth of the work of summing them all (which
+    took ~1 s per demo step on 2 CPU cores)."""
     device = pixel_values.device
-    image_of_row = torch.repeat_interleave(torch.arange(len(grids), device=device), grids.prod(-1).to(device))
-    sample_of_image = torch.repeat_interleave(torch.arange(len(num_images), device=device),
-                                              torch.tensor(num_images, device=device))
-    per_row = pixel_values[:, ::64].sum(-1, dtype=torch.float64)  # [rows]
-    sums = torch.zeros(len(num_images), dtype=torch.float64, device=device)
-    return sums.index_add_(0, sample_of_image[image_of_row], per_row).tolist()
+    sample_of_row = torch.repeat_interleave(torch.arange(len(rows_per_sample), device=device),
+                                            torch.tensor(rows_per_sample, device=device))
+    per_row = pixel_values.flatten(1)[:, ::64].sum(-1, dtype=torch.float64)  # [rows]
+    sums = torch.zeros(len(rows_per_sample), dtype=torch.float64, device=device)
+    return sums.index_add_(0, sample_of_row, per_row).tolist()
 
 
-def check_pairing(batch: dict[str, Any], image_pad_id: int, merge_size: int, step: int) -> None:
+def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id: int, step: int) -> None:
     """Raise PairingError unless each sample of the micro-batch carries its own record's images."""
-    labels, expected, checksums = zip(*batch[EXPECTED], strict=True)
-    want_images = [len(e) for e in expected]
-    if not sum(want_images):
+    labels, images, expected, checksums = zip(*batch[EXPECTED], strict=True)
+    want_rows = [family.layout_rows(e) for e in expected]
+    if not sum(images):
         return
-    grids, pixels = batch.get("image_grid_thw"), batch.get("pixel_values")
-    if grids is None or pixels is None:
+    pixels, num_images = batch.get("pixel_values"), [int(n) for n in batch.get("num_images") or []]
+    got = family.batch_layouts(batch, num_images) if pixels is not None and num_images else None
+    if got is None:
         raise PairingError(
-            f"GRPO step {step}: the records of this batch have {sum(want_images)} image(s) but the batch reaching "
+            f"GRPO step {step}: the records of this batch have {sum(images)} image(s) but the batch reaching "
             "the loss has none: TRL dropped the images of the whole batch (GRPOTrainer's 'Drop all images' "
             "fallback when some sample's image-token count does not match its grids, e.g. truncated) and would "
             "train on the text alone; stopped before the update. Raise max_completion_length or remove the "
             "cause of the truncation")
     problems = []
-    if list(batch.get("num_images") or []) != want_images:
-        problems.append(f"images per sample {batch.get('num_images')}, records have {want_images}")
+    if num_images != list(images):
+        problems.append(f"images per sample {num_images}, records have {list(images)}")
+    elif len(got) != len(expected):
+        problems.append(f"{len(got)} samples' images, {len(expected)} records")
     else:
-        got = torch.split(grids.cpu(), want_images)
-        problems += [f"sample {i} ({labels[i]}): grid {g.tolist()}, its record's {e.tolist()}"
+        problems += [f"sample {i} ({labels[i]}): {family.layout_name} {g.tolist()}, its record's {e.tolist()}"
                      for i, (g, e) in enumerate(zip(got, expected, strict=True)) if not torch.equal(g, e)]
-        if int(grids.prod(-1).sum()) == pixels.size(0):
-            sums = pixel_checksums(pixels, grids, want_images)
+        if sum(want_rows) == pixels.size(0):
+            sums = pixel_checksums(pixels, want_rows)
             problems += [f"sample {i} ({labels[i]}): pixels of another image (checksum {s:.6g}, its own {c:.6g})"
                          for i, (s, c) in enumerate(zip(sums, checksums, strict=True))
                          if abs(s - c) > 1e-6 * max(1.0, abs(c))]
-    is_image = batch["prompt_ids"] == image_pad_id  # [B, P]
-    want_tokens = torch.tensor([int(e.prod(-1).sum()) // merge_size**2 for e in expected], device=is_image.device)
-    problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's grid needs "
-                 f"{want_tokens[i].item()}" for i, n in enumerate(is_image.sum(1).tolist()) if n != want_tokens[i]]
+    is_image = batch["prompt_ids"] == image_token_id  # [B, P]
+    want_tokens = torch.tensor([family.layout_tokens(e, budget) for e in expected], device=is_image.device)
+    problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's {family.layout_name} "
+                 f"need {want_tokens[i].item()}" for i, n in enumerate(is_image.sum(1).tolist()) if n != want_tokens[i]]
     types = batch.get("mm_token_type_ids")
     if types is not None:
         off = ((types[:, : is_image.size(1)] == 1) != is_image).any(1)
         problems += [f"sample {i} ({labels[i]}): image-token types do not line up with its image tokens "
                      "(the processor pads on the other side)" for i in off.nonzero().flatten().tolist()]
-    if int(grids.prod(-1).sum()) != pixels.size(0):
-        problems.append(f"{pixels.size(0)} pixel rows for grids needing {int(grids.prod(-1).sum())}")
+    if sum(want_rows) != pixels.size(0):
+        problems.append(f"{pixels.size(0)} pixel rows for {family.layout_name} needing {sum(want_rows)}")
     if problems:
         raise PairingError(
             f"GRPO step {step}: completions paired with images that are not their prompt's ({len(problems)} "
@@ -125,17 +133,17 @@ def check_pairing(batch: dict[str, Any], image_pad_id: int, merge_size: int, ste
 class GuardedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with the pairing guard; training itself is TRL's, unchanged.
 
-    `_generate_and_score_completions` attaches each sample's expected grids (from its `image_sizes` column)
-    to the generation batch (and logs its image path and solution for the completion table);
-    `_prepare_inputs` checks the micro-batch it returns for the loss.
+    `_generate_and_score_completions` attaches each sample's expected image layout (the family's, from its
+    `image_sizes` column and the image budget) to the generation batch (and logs its image path and solution for
+    the completion table); `_prepare_inputs` checks the micro-batch it returns for the loss.
     `guard_seconds` adds up the time the guard costs (bench/grpo_guard.py reports it per step).
     """
 
-    def __init__(self, *args, pixel_budget, **kwargs):
+    def __init__(self, *args, family: Family, budget, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pixel_budget, self.guard_seconds = pixel_budget, 0.0
+        self.family, self.budget, self.guard_seconds = family, budget, 0.0
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self.image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(family.image_token)
 
     def _generate_and_score_completions(self, inputs):
         # the record's image and solution as completion-table columns (TRL's log_extra, flushed with the batch)
@@ -144,12 +152,13 @@ class GuardedGRPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and "image_sizes" in inputs[0]:
             start = time.perf_counter()
-            grids = [expected_grid(x["image_sizes"], self.pixel_budget) for x in inputs]
-            got, n = output.get("image_grid_thw"), [len(g) for g in grids]
-            sums = (pixel_checksums(output["pixel_values"], got, n) if got is not None and len(got) == sum(n)
-                    and int(got.prod(-1).sum()) == output["pixel_values"].size(0) else [0.0] * len(inputs))
-            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", g, s)
-                                for x, g, s in zip(inputs, grids, sums, strict=True)]
+            layouts = [self.family.image_layout(x["image_sizes"], self.budget) for x in inputs]
+            rows = [self.family.layout_rows(layout) for layout in layouts]
+            pixels = output.get("pixel_values")
+            sums = (pixel_checksums(pixels, rows) if pixels is not None and pixels.size(0) == sum(rows)
+                    else [0.0] * len(inputs))
+            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", len(x["image_sizes"] or []), layout, s)
+                                for x, layout, s in zip(inputs, layouts, sums, strict=True)]
             self.guard_seconds += time.perf_counter() - start
         return output
 
@@ -157,6 +166,6 @@ class GuardedGRPOTrainer(GRPOTrainer):
         batch = super()._prepare_inputs(generation_batch)
         if EXPECTED in batch:
             start = time.perf_counter()
-            check_pairing(batch, self.image_pad_id, self.pixel_budget.merge_size, self.state.global_step)
+            check_pairing(batch, self.family, self.budget, self.image_token_id, self.state.global_step)
             self.guard_seconds += time.perf_counter() - start
         return batch

@@ -54,7 +54,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.data.run_data import prepare_data
     from vlmexp.families import detect_family
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
-    from vlmexp.processor import load_processor, pixel_budget
+    from vlmexp.processor import load_processor
     from vlmexp.train.validation import check_sharding
 
     check_hardware(getattr(cfg, stage), stage)
@@ -76,13 +76,12 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
         data = prepare_data(cfg, reuse=True)
     if Path(model_path).is_dir():  # absolute, so adapters saved from it name a base that loads from anywhere
         model_path = str(Path(model_path).resolve())
-    processor = load_processor(model_path, family, cfg.model.min_pixels, cfg.model.max_pixels,
-                               trust_remote_code=cfg.model.trust_remote_code)
+    processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
-    return StageInputs(cfg, stage, stage_dir, model_path, family, processor, pixel_budget(processor), data.train,
-                       resume_from, run, data.val)
+    return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
+                       data.train, resume_from, run, data.val)
 
 
 def trl_args(inputs: StageInputs, **stage_args: Any):

@@ -73,11 +73,13 @@ def validation_metrics(groups: Sequence[Sequence[str]], score: Scorer) -> dict[s
 
 @dataclass
 class HeldOut:
-    """The held-out records validation generates on, their prompts and images, and how they are scored."""
+    """The held-out records validation generates on, their prompts and images, the model family that prompts
+    and generates for them, and how they are scored."""
 
     records: list[Any]  # vlmexp.data.record.SampledRecord
     prompts: list[list[dict[str, Any]]]
     images: list[list[Any]]
+    family: Any  # vlmexp.families.Family
     score: Scorer
 
 
@@ -96,7 +98,7 @@ def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> Hel
                              cfg.eval.math_grader)
 
     return HeldOut(records, [build_prompt(r, cfg.data, family) for r in records],
-                   [load_images(r.images) for r in records], score)
+                   [load_images(r.images) for r in records], family, score)
 
 
 class Validation(TrainerCallback):
@@ -144,7 +146,8 @@ class Validation(TrainerCallback):
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(self.cfg.run.seed + step)
-                flat = generate(model, self.trainer.processing_class, [p for p in held.prompts for _ in range(n)],
+                flat = generate(model, self.trainer.processing_class, held.family,
+                                [p for p in held.prompts for _ in range(n)],
                                 [im for im in held.images for _ in range(n)], ev.max_new_tokens,
                                 ev.during_training_temperature, ev.batch_size)
         finally:

@@ -1,0 +1,144 @@
+"""What a model family provides: everything a stage, evaluation, scoring or the embedded model needs to know
+about a family, behind one interface. A family module (`qwen.py`, `internvl.py`) subclasses `Family`; nothing
+else in vlmexp branches on a family's name.
+
+Light on purpose: the config schema imports this table, so torch and transformers are imported only inside
+the methods that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+BoxFrame = Literal["pixels", "grid1000"]
+# The image-budget fields of `model` (vlmexp.config.ModelConfig); each family reads some of them
+BUDGET_KNOBS = ("min_pixels", "max_pixels", "min_patches", "max_patches")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # our name, also transformers' `model_type` in a checkpoint's config.json
+    model_class: str  # transformers class with the LM head
+    processor_class: str  # the processor real checkpoints declare
+    box_frame: BoxFrame  # "pixels": absolute pixels of the resized image; "grid1000": 0-1000 of the original
+    image_token: str  # the placeholder the processor repeats once per image feature
+    vision_tokens: tuple[str, ...]  # image/video markers a completion must never contain (suppressed in generate)
+    vision_module: str  # the vision tower's parameter names contain this (freeze_vision; QLoRA leaves it unquantised)
+    projector_module: str  # ... the projector's, between vision tower and language model (freeze_merger); checked first
+    # the model.* image-budget fields this family reads (BUDGET_KNOBS); the others are refused for it
+    budget_knobs: ClassVar[tuple[str, ...]] = ()
+    # other `model_type`s of this family's models that vlmexp does not load, and what to use instead
+    refused_model_types: ClassVar[dict[str, str]] = {}
+
+    # ---- prompts --------------------------------------------------------------------------------------------
+    def chat_template(self) -> str:
+        """The family's original chat template (the embedded model ships it)."""
+        raise NotImplementedError
+
+    # ---- processor and image budget -------------------------------------------------------------------------
+    def images_only_processor(self) -> type:
+        """The family's processor class without a video processor (which needs torchvision), saving itself under
+        `processor_class` so AutoProcessor loads the folder where torchvision exists."""
+        raise NotImplementedError
+
+    def set_image_budget(self, processor, knobs: dict[str, int]) -> None:
+        """Apply the config's budget overrides (`knobs`: only this family's `budget_knobs`, each given) to
+        the loaded processor."""
+        raise NotImplementedError
+
+    def image_budget(self, processor) -> Any:
+        """What maps an image size to its tokens (and the 'pixels' frame): read from the loaded processor."""
+        raise NotImplementedError
+
+    def released_budget(self, knobs: dict[str, int]) -> Any:
+        """The budget of the released checkpoints, with `knobs` overriding it: for scoring completions made
+        elsewhere, where no processor is loaded."""
+        raise NotImplementedError
+
+    def image_tokens(self, width: int, height: int, budget) -> int:
+        """How many `image_token` placeholders an image of `width` x `height` becomes (the start/end markers
+        around them not counted)."""
+        raise NotImplementedError
+
+    # ---- what GRPO's batches carry per sample (the pairing guard, vlmexp/train/grpo_pairing.py) -----------
+    layout_name: ClassVar[str] = ""  # what a layout is called in the guard's messages ("grid", "tiles")
+
+    def image_layout(self, image_sizes, budget):
+        """The tensor that describes a sample's images in a training batch, as the processor makes it for images
+        of `image_sizes` ([[w, h], ...]); equal layouts mean the same pixel rows and image tokens."""
+        raise NotImplementedError
+
+    def batch_layouts(self, batch: dict[str, Any], num_images: list[int]):
+        """Each sample's layout in a batch reaching the loss (`image_layout`'s form), or None when it has none."""
+        raise NotImplementedError
+
+    def layout_rows(self, layout) -> int:
+        """Rows of `pixel_values` that a layout takes."""
+        raise NotImplementedError
+
+    def layout_tokens(self, layout, budget) -> int:
+        """`image_token` placeholders a layout puts in the prompt."""
+        raise NotImplementedError
+
+    # ---- the embedded model (vlmexp.tiny) -------------------------------------------------------------------
+    special_tokens: ClassVar[tuple[str, ...]] = ()  # added as special tokens to the tiny tokenizer, in order
+    extra_tokens: ClassVar[tuple[str, ...]] = ()  # added as plain tokens, as the real tokenizers do
+    named_tokens: ClassVar[dict[str, str]] = {}  # tokenizer attributes the processor reads (start_image_token, ...)
+
+    def tiny_config(self, spec, tokenizer):
+        """A transformers config of the family at `spec`'s sizes (vlmexp.tiny.TinySpec), wired to the tokenizer."""
+        raise NotImplementedError
+
+    def tiny_image_processor(self, spec):
+        """The image processor the embedded model ships (no torchvision needed)."""
+        raise NotImplementedError
+
+    def tiny_processor(self, image_processor, tokenizer, spec):
+        """The embedded model's processor, as `images_only_processor` builds it."""
+        return self.images_only_processor()(image_processor=image_processor, tokenizer=tokenizer,
+                                            chat_template=tokenizer.chat_template)
+
+    # ---- shared behaviour -----------------------------------------------------------------------------------
+    def check_budget_knobs(self, knobs: dict[str, int | None]) -> dict[str, int]:
+        """The knobs that are set, all of them this family's; ValueError naming the field and the fix otherwise."""
+        given = {k: v for k, v in knobs.items() if v is not None}
+        if wrong := [k for k in given if k not in self.budget_knobs]:
+            raise ValueError(
+                f"model.{', model.'.join(wrong)} do(es) not apply to {self.name}: its image budget is "
+                f"{' / '.join('model.' + k for k in self.budget_knobs)} ({self.budget_summary}); remove "
+                f"{', '.join('model.' + k for k in wrong)} (write null to drop a value a base config sets)")
+        return given
+
+    budget_summary: ClassVar[str] = ""  # one phrase saying how the family sizes images
+
+    def vision_part(self, parameter_name: str) -> Literal["vision", "projector"] | None:
+        """Which part of the vision side a parameter belongs to (None: the language model or its head)."""
+        if self.projector_module in parameter_name:
+            return "projector"
+        return "vision" if self.vision_module in parameter_name else None
+
+
+def tiny_text_config(spec, tokenizer, eos: str, pad: str) -> dict:
+    """The embedded model's text config at `spec`'s sizes (vlmexp.tiny.TinySpec): a Qwen2-style decoder, as every
+    family here has, wired to the tokenizer's `eos` and `pad` tokens. `layer_types` has one entry per layer: transformers 5 reads it, and a
+    list left from another depth fails the first forward with IndexError in the attention layer."""
+    vocab = spec.model_vocab_size or -(-len(tokenizer) // 64) * 64  # rounded up to 64, as real checkpoints do
+    if vocab < len(tokenizer):
+        raise ValueError(f"model_vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens: raise it")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (eos, pad)}
+    return dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        layer_types=["full_attention"] * spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        bos_token_id=ids[pad],
+        eos_token_id=ids[eos],
+        pad_token_id=ids[pad],
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
