@@ -4,6 +4,7 @@ sampled by `vlmexp sample`, and trained one step by each stage they feed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,27 @@ def test_embedded_and_path_images_read_alike(anchors, tmp_path, name):
     keep = ("problem", "history", "system", "target", "rejected", "solution", "task", "method", "image_sizes",
             "record_format")
     assert [[getattr(r, k) for k in keep] for r in embedded] == [[getattr(r, k) for k in keep] for r in paths]
+
+
+def test_trl_implicit_prompt_preference_reads_as_the_explicit_one(anchors, tmp_path):
+    """TRL's implicit-prompt preference layout (the prompt's turns repeated at the start of chosen and rejected,
+    as trl.extract_prompt splits them) gives the records of its explicit form; answers sharing no first turn
+    are refused naming the fix."""
+    explicit = anchor_data.as_jsonl_with_paths(Path(anchors["trl_preference"]["json_path"]), tmp_path / "paths")
+    rows = [json.loads(line) for line in explicit.read_text().splitlines()]
+    implicit = explicit.with_name("implicit.jsonl")  # beside the images its paths name
+    implicit.write_text("".join(json.dumps({"images": r["images"], "chosen": r["prompt"] + r["chosen"],
+                                            "rejected": r["prompt"] + r["rejected"]}) + "\n" for r in rows))
+    keep = ("problem", "history", "system", "target", "rejected", "solution", "task", "image_sizes", "record_format")
+    got = _sample(tmp_path / "i", {"json_path": str(implicit)})
+    want = _sample(tmp_path / "e", {"json_path": str(explicit)})
+    assert [[getattr(r, k) for k in keep] for r in got] == [[getattr(r, k) for k in keep] for r in want]
+    assert got[0].record_format == "preference" and (got[0].target, got[0].rejected) == ("red", "blue")
+    unshared = explicit.with_name("unshared.jsonl")
+    unshared.write_text(json.dumps({"images": rows[0]["images"], "chosen": rows[0]["chosen"],
+                                    "rejected": rows[0]["rejected"]}) + "\n")
+    with pytest.raises(DataError, match="share no first turn.*give a `prompt` field"):
+        _sample(tmp_path / "u", {"json_path": str(unshared)})
 
 
 def test_llamafactory_and_ms_swift_layouts(anchors, tmp_path):

@@ -17,7 +17,9 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     LLaMA-Factory's "chosen" / "rejected" make it a preference record.
 (f) "prompt_completion": TRL's conversational prompt-completion, {"prompt": [messages], "completion":
     [assistant message], "images"}.
-(g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}.
+(g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}; or its
+    implicit-prompt form, {"chosen": [messages], "rejected": [messages]} whose shared first turns are the prompt
+    (as trl.data_utils.extract_prompt reads it).
 (h) "prompt_only": TRL's prompt-only (GRPO), {"prompt": [messages], "image" or "images", "solution" or "answer"}.
 (i) "alpaca": LLaMA-Factory's alpaca, {"instruction", "input", "output", "history": [[instruction, response]],
     "images"}; its preference form has "chosen" / "rejected" strings instead of "output".
@@ -107,6 +109,8 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
             return key, [key, *(k for k in ("chosen", "rejected", "rejected_response") if k in has)]
     if "instruction" in has:
         return "alpaca", ["instruction", *(k for k in ("output", "chosen", "rejected") if k in has)]
+    if _message_list(record.get("chosen")) and _message_list(record.get("rejected")):
+        return "preference", ["chosen", "rejected"]  # TRL's implicit prompt: the turns both answers start with
     if "chosen" in has or "rejected" in has:
         return "pairs", [k for k in ("chosen", "rejected") if k in has]
     if "answer" in has and "images" in has:
@@ -135,6 +139,8 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
         return record[key]
 
     parts: dict[str, Any] = {"rejected": None, "demonstration": None, "target": None}
+    if fmt == "preference" and "prompt" not in record:
+        record = implicit_prompt(record)
     if fmt == "pairs":
         images = _as_list(record["image"] if "image" in record else need("images"), "images")
         problem = record["question"] if "question" in record else need("problem")
@@ -161,6 +167,24 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
     record_id = None if record.get("id") is None else str(record["id"])
     return Example(images=images, problem=problem, solution=solution, task=task, method=method, id=record_id,
                    **parts)
+
+
+def _message_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def implicit_prompt(record: dict[str, Any]) -> dict[str, Any]:
+    """TRL's implicit-prompt preference record with its prompt made explicit: the turns `chosen` and `rejected`
+    both start with (trl/data_utils.py, extract_prompt), the rest of each as the answers."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise ValueError("`chosen` and `rejected` share no first turn, so the record has no prompt: TRL's "
+                         "implicit-prompt layout repeats the prompt's turns at the start of both; or give a "
+                         "`prompt` field")
+    return {**record, "prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 
 def _conversational(record: dict[str, Any], fmt: str, need, tags: Tags) -> tuple[list, str, Any, dict[str, Any]]:
