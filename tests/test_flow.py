@@ -85,7 +85,8 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     rewards = "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]"
     monkeypatch.setenv("VLMEXP_TEST_API_TOKEN", ENV_SECRET)  # secrets in the environment and in the config
     secret = f"sft.args.hub_token={CONFIG_SECRET}"
-    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret])
+    rotate = "grpo.args.save_total_limit=2"  # checkpoints 1-3 saved, checkpoint-1 rotated away at step 3
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret, rotate])
 
     client, exp, runs = _mlflow(out)
     assert exp.artifact_location == (out / "mlartifacts").as_uri()
@@ -161,7 +162,7 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert all(state == "Completed" for _, state in states), states
     assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate", "export"}
 
-    again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret])
+    again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret, rotate])
     assert "skipped: inputs unchanged" in again.summary
     rerun = _latest_parent(out)  # the rerun is its own pipeline run in MLflow, with the skip recorded
     assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
@@ -175,12 +176,14 @@ def _assert_logged_models(client, exp, runs, champion, ev, val_digest):
     that made them; evaluated models carry their evaluation; the registered version is the export's model,
     whose files MLflow holds (copied: a tiny model), while checkpoints are referenced by path only."""
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
-    assert set(models) == {"sft-checkpoint-4", "sft-final", "grpo-checkpoint-1", "grpo-checkpoint-2",
-                           "grpo-checkpoint-3", "grpo-final", "run-export"}, set(models)
+    # grpo's checkpoint-1 was rotated away (save_total_limit 2): its Models entry went with its folder
+    assert set(models) == {"sft-checkpoint-4", "sft-final", "grpo-checkpoint-2", "grpo-checkpoint-3", "grpo-final",
+                           "run-export"}, set(models)
+    assert not (Path(models["grpo-checkpoint-2"].tags["vlmexp.path"]).parent / "checkpoint-1").exists()
     sft, grpo, parent = (runs[n].info.run_id for n in ("demo-sft", "demo-grpo", "demo-pipeline"))
     outputs = {run: {(o.model_id, o.step) for o in client.get_run(run).outputs.model_outputs} for run in (sft, grpo)}
-    assert outputs[grpo] == {(models[f"grpo-checkpoint-{i}"].model_id, i) for i in (1, 2, 3)} | {
-        (models["grpo-final"].model_id, 3)}
+    kept = {(models[f"grpo-checkpoint-{i}"].model_id, i) for i in (2, 3)} | {(models["grpo-final"].model_id, 3)}
+    assert kept <= outputs[grpo] and [step for _, step in outputs[grpo] - kept] == [1]  # the run's history stays
     assert outputs[sft] == {(models["sft-checkpoint-4"].model_id, 4), (models["sft-final"].model_id, 4)}
     checkpoint = models["grpo-checkpoint-2"]
     assert checkpoint.source_run_id == grpo and checkpoint.tags["mlflow.model.isExternal"] == "true"

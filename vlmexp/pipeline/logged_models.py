@@ -62,6 +62,27 @@ def log_folder_model(client, experiment_id: str, run_id: str, folder: str | Path
     return model.model_id
 
 
+def forget_rotated_checkpoints(client, experiment_id: str, run_id: str) -> list[str]:
+    """Delete the logged models of run `run_id`'s checkpoints whose folder is gone (the Trainer's
+    `save_total_limit` rotated it away), so the Models tab lists the checkpoints that exist; one a registered
+    version was made from stays. The run keeps its history (metrics, model outputs). Returns their names."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    gone, token = [], None
+    while True:
+        page = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'",
+                                           page_token=token)
+        for model in page:
+            path = model.tags.get(PATH_TAG)
+            if model.model_type == "checkpoint" and path and not Path(path).exists() \
+                    and MLFLOW_MODEL_VERSIONS not in model.tags:
+                client.delete_logged_model(model.model_id)
+                gone.append(model.name)
+        token = page.token
+        if not token:
+            return gone
+
+
 def log_export_model(client, experiment_id: str, run_id: str, folder: str | Path, copy: bool,
                      metrics: Mapping[str, float], dataset: tuple[str, str] | None) -> str:
     """The exported `folder` as a logged model of run `run_id` (its files copied into it, or external), with the

@@ -1,5 +1,6 @@
 """What a stage process adds to its MLflow run beyond transformers' MLflowCallback: each checkpoint and the
-final model as a logged model of the run (`vlmexp.pipeline.logged_models`), and the reward under the name
+final model as a logged model of the run (`vlmexp.pipeline.logged_models`; a checkpoint rotated away is
+removed from the Models tab), and the reward under the name
 that opens the run page (`HeadlineMetrics`). Only the process that holds the run (global rank 0) adds these
 callbacks; an unreachable store costs the models' entries, never the training."""
 
@@ -42,7 +43,7 @@ class CheckpointModels(TrainerCallback):
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from vlmexp.pipeline.logged_models import log_folder_model
+        from vlmexp.pipeline.logged_models import forget_rotated_checkpoints, log_folder_model
 
         try:
             mlflow.flush_async_logging()  # this step's metrics, queued by MLflowCallback, are in the store
@@ -51,6 +52,10 @@ class CheckpointModels(TrainerCallback):
                 self._experiment = self._client.get_run(self.run.run_id).info.experiment_id
             log_folder_model(self._client, self._experiment, self.run.run_id, folder, model_type, step,
                              self.keys.get(step, ()))
+            if model_type == "checkpoint":  # the Trainer rotates old checkpoints away before on_save
+                gone = forget_rotated_checkpoints(self._client, self._experiment, self.run.run_id)
+                if gone:
+                    log.info("step %d: removed the MLflow models of rotated-away %s", step, ", ".join(gone))
         except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
             log.warning("step %d: %s not logged as an MLflow model, store unreachable (%s); training goes on", step,
                         folder, str(e).splitlines()[0][:300])
