@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from vlmexp.config import TRAINING_STAGES, Config, DataSource, RewardSpec
+from vlmexp.config import TRAINING_STAGES, Config, DataSource
+from vlmexp.config_stages import RewardSpec
 
 Loc = tuple[str | int, ...]
 Found = tuple[Loc, Any, str]  # (location in the config, value, problem with its fix)
