@@ -281,7 +281,7 @@ def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, m
 
 
 def test_easyr1_format_reward_style():
-    from vlmexp.rewards import build_reward
+    from vlmexp.rewards_loader import build_reward
 
     boxed = build_reward("format", {"style": "boxed"}, "pixels", None)
     tags = build_reward("format", {}, "pixels", None)

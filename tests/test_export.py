@@ -200,7 +200,7 @@ def test_beats_explains_itself():
 
 def test_export_metric_must_be_one_evaluation_produces():
     """A typo in export.metric would report "not promoted" forever: refused at config load, with the names."""
-    from vlmexp.config import METRIC_KEYS
+    from vlmexp.config_stages import METRIC_KEYS
     from vlmexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "

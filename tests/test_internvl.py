@@ -164,7 +164,7 @@ def test_freezing_and_lora_find_internvls_vision_tower_projector_and_language_mo
     from peft import LoraConfig, get_peft_model
     from transformers import InternVLForConditionalGeneration
 
-    from vlmexp.config import LM_LORA_TARGETS
+    from vlmexp.config_stages import LM_LORA_TARGETS
     from vlmexp.modeling import freeze
 
     model = InternVLForConditionalGeneration.from_pretrained(tiny_models["internvl"])

@@ -13,7 +13,8 @@ import yaml
 from vlmexp.data.formats import parse_record
 from vlmexp.detection import AP_THRESHOLDS, coco_ap, weighted_score
 from vlmexp.processor import PixelBudget
-from vlmexp.rewards import DetectionReward, ExactReward, FormatReward, MathReward, build_reward
+from vlmexp.rewards import DetectionReward, ExactReward, FormatReward, MathReward
+from vlmexp.rewards_loader import build_reward
 
 BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
 SIZE = [[112, 112]]  # a multiple of 28: the pixels frame maps boxes 1:1

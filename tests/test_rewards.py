@@ -15,12 +15,11 @@ from vlmexp.rewards import (
     IoUReward,
     MathReward,
     RewardError,
-    build_reward,
-    check_reward_name,
     completion_text,
     extract_answer,
     guarded,
 )
+from vlmexp.rewards_loader import build_reward, check_reward_name
 
 BUDGET = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
 

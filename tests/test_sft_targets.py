@@ -7,7 +7,8 @@ import pytest
 from conftest import make_png, write_json, write_jsonl
 
 from vlmexp.cli import main
-from vlmexp.config import DataSource, SFTStageConfig
+from vlmexp.config import DataSource
+from vlmexp.config_stages import SFTStageConfig
 from vlmexp.data.record import SampledRecord, read_sampled
 from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError

@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from vlmexp.config import TRAINING_STAGES, Config, DataSource, RewardSpec
+from vlmexp.config import TRAINING_STAGES, Config, DataSource
+from vlmexp.config_stages import RewardSpec
 
 Loc = tuple[str | int, ...]
 Found = tuple[Loc, Any, str]  # (location in the config, value, problem with its fix)
@@ -28,7 +29,8 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
     """Reward names and data sources of a raw (merged, overridden) config mapping; entries the schema refuses
     are left to the schema's own problems."""
     from vlmexp.data.sources import check_source
-    from vlmexp.rewards import DEFAULT_MATCHES, check_reward_name
+    from vlmexp.rewards import DEFAULT_MATCHES
+    from vlmexp.rewards_loader import check_reward_name
 
     out: list[Found] = []
     for loc, spec in _entries(raw, ("grpo", "rewards"), RewardSpec):
@@ -84,9 +86,10 @@ def check_sections(cfg: Config) -> list[Found]:
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:
-    """Import each module:function reward's module in a child process (`vlmexp.rewards.check_custom_reward`):
+    """Import each module:function reward's module in a child process (`vlmexp.rewards_loader.check_custom_reward`):
     it must import, within the time limit, and name a callable."""
-    from vlmexp.rewards import REGISTRY, check_custom_reward, check_reward_name
+    from vlmexp.rewards import REGISTRY
+    from vlmexp.rewards_loader import check_custom_reward, check_reward_name
 
     out: list[Found] = []
     for i, spec in enumerate(cfg.grpo.rewards):

@@ -31,7 +31,7 @@ def build_scorers(rewards: Sequence[Any], frame: str, budget: Any, prefilled_thi
     """The rewards evaluation scores with, built by `build_reward` like the training rewards: each of SCORERS
     with the kwargs of the configured reward of that name (`grpo.rewards`), else its defaults; `math_grader`
     (eval.math_grader) replaces the math reward's grader."""
-    from vlmexp.rewards import build_reward
+    from vlmexp.rewards_loader import build_reward
 
     kwargs = {r.name: dict(r.kwargs) for r in rewards}
     if math_grader is not None:

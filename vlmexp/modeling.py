@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config, ModelConfig, StageConfig
+from vlmexp.config import Config, ModelConfig
+from vlmexp.config_stages import StageConfig
 from vlmexp.errors import ConfigError, Problem
 from vlmexp.families import FAMILIES, TINY_PREFIX, Family, detect_family, get_family
 from vlmexp.path_checks import is_hub_id

@@ -4,7 +4,8 @@ Signature (TRL GRPOTrainer): `f(prompts, completions, **columns) -> list[float |
 is a list of messages (or a string). Dataset columns arrive as keyword lists: `solution`, `task`,
 `image_sizes`, ... A reward returns None for samples it does not apply to (a math reward on a grounding
 record); TRL ignores those in the weighted sum. A reward that raises stops training with its name and the
-offending sample (`RewardError`). Evaluation scores with these same objects (built by `build_reward`).
+offending sample (`RewardError`). Evaluation scores with these same objects. A config's reward entry becomes
+one of them, or an imported `module:function`, in `vlmexp.rewards_loader` (`build_reward`).
 
 Rewards keep no state between calls. They report through the hooks TRL 1.16 passes to every reward
 function: `log_metric(name, value)` and `log_extra(column, values)`. A completion that cannot be parsed
@@ -18,7 +19,6 @@ hooks (evaluation, DPO's pair scoring), nothing is reported.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections import Counter
@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 from vlmexp import answers
 from vlmexp.answers import extract_answer
 from vlmexp.coords import from_frame, giou, iou, parse_box
-from vlmexp.errors import short
 
 Score = float | None
 
@@ -311,118 +310,6 @@ REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoU
                                                                  DetectionReward)}
 
 
-IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
-DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and transformers takes ~5 s here
-
-
-def _split_ref(ref: str) -> tuple[str, str]:
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr.isidentifier():
-        raise ValueError(f"reward {ref!r} is neither a registered name ({', '.join(REGISTRY)}) nor module:function")
-    return module_name, attr
-
-
-def load_custom(ref: str) -> Callable[..., list[Score]]:
-    """Import `module:function` in this process (training); the only way config text selects code to run.
-
-    Whatever the module does when imported becomes a ValueError naming the reference: an exception, and
-    also `sys.exit()` (which would otherwise end a training process with status 0, as if it had finished)."""
-    module_name, attr = _split_ref(ref)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of the user's module is reported by name
-        raise ValueError(f"reward {ref!r}: importing {module_name!r} failed ({e.__class__.__name__}: {e}); "
-                         f"fix the module") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward {ref!r}: {module_name} has no callable {attr!r}")
-    return fn
-
-
-_IMPORT_CHECK = """
-import importlib, json, sys
-path, module_name, attr, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-sys.path[:] = path
-try:
-    module = importlib.import_module(module_name)
-    result = {"kind": "ok", "callable": callable(getattr(module, attr, None))}
-except ImportError as e:
-    result = {"kind": "import", "error": str(e)}
-except SystemExit as e:
-    result = {"kind": "exit", "error": repr(e.code)}
-except BaseException as e:
-    result = {"kind": "raise", "error": f"{e.__class__.__name__}: {e}"}
-with open(out, "w") as f:
-    json.dump(result, f)
-"""
-
-
-def check_custom_reward(ref: str) -> None:
-    """Validate `module:function` by importing the module in a child Python process with a time limit
-    (VLMEXP_REWARD_IMPORT_TIMEOUT seconds, default 120). Raises ValueError naming the reference.
-
-    A child process, not a thread: the module's top-level code runs there, so nothing it does (raise,
-    sys.exit, os._exit, loop forever, crash the interpreter, eat memory) can end or hang the process that
-    validates, or make validation report success; a hung import is killed with its process group, which
-    a thread could not be. It costs a Python start (~0.1 s) plus the module's own import time.
-    """
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-
-    module_name, attr = _split_ref(ref)
-    timeout = _import_timeout()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        proc = subprocess.Popen([sys.executable, "-c", _IMPORT_CHECK, json.dumps(sys.path), module_name, attr, out],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise ValueError(f"reward {ref!r}: importing {module_name!r} did not finish in {timeout:g} s (validation "
-                             f"imports the module, so its top-level code runs); make the import return, or set "
-                             f"{IMPORT_TIMEOUT_ENV} higher") from None
-        try:
-            with open(out) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
-            raise ValueError(f"reward {ref!r}: importing {module_name!r} ended the Python process (exit status "
-                             f"{code}) before it finished; remove what ends the process from the module's "
-                             f"top level") from None
-    kind, error = result["kind"], short(result.get("error", ""), 300, text=True)
-    if kind == "import":
-        raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?")
-    if kind == "exit":
-        raise ValueError(f"reward {ref!r}: importing {module_name!r} called sys.exit({error}); remove that call "
-                         f"from the module's top level")
-    if kind == "raise":
-        raise ValueError(f"reward {ref!r}: importing {module_name!r} raised {error}; fix the module")
-    if not result["callable"]:
-        raise ValueError(f"reward {ref!r}: {module_name} has no callable {attr!r}")
-
-
-def _import_timeout() -> float:
-    import os
-
-    text = os.environ.get(IMPORT_TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else DEFAULT_IMPORT_TIMEOUT
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{IMPORT_TIMEOUT_ENV}={short(text)} is not a positive number of seconds; unset it or "
-                         f"give e.g. 300")
-    return value
-
-
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
     """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only the
     form). A module:function reward may score any task, so with one nothing is reported."""
@@ -435,37 +322,6 @@ def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
 def scoring_rewards(task: str) -> list[str]:
     """The built-in rewards that score `task`'s answers."""
     return [name for name, cls in REGISTRY.items() if task in cls.tasks]
-
-
-def check_reward_name(name: str, import_module: bool = True) -> None:
-    """Raise ValueError (with the fix) unless `name` is registered or a well-formed module:function that
-    imports (in a child process, `check_custom_reward`) and names a callable. `import_module=False`
-    checks the form only (a config already validated)."""
-    if name in REGISTRY:
-        return
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(REGISTRY)} or module:function")
-    _split_ref(name)
-    if import_module:
-        check_custom_reward(name)
-
-
-def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
-                 prefilled_think: bool = False) -> Callable[..., list[Score]]:
-    """One reward callable from its config entry; `prefilled_think`: the chat template's generation prompt ends
-    in <think> (the format reward's default for its `prefilled_think`)."""
-    if name not in REGISTRY:
-        return guarded(load_custom(name), name)
-    args = dict(kwargs)
-    if issubclass(REGISTRY[name], (IoUReward, DetectionReward)):  # boxes are read in the family's frame
-        args.update(frame=frame, budget=budget)
-    if REGISTRY[name] is FormatReward and args.get("prefilled_think") is None:
-        args["prefilled_think"] = prefilled_think
-    try:
-        reward = REGISTRY[name](**args)
-    except TypeError as e:
-        raise ValueError(f"reward {name!r}: bad kwargs {kwargs} ({e})") from None
-    return guarded(reward, name)
 
 
 class guarded:  # noqa: N801 - used like a function; a class so the reward stays picklable

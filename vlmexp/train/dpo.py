@@ -119,7 +119,7 @@ def sample_and_score(inputs: StageInputs, records: list[SampledRecord], rewards:
     from vlmexp.evaluate import generate
     from vlmexp.modeling import load_for_inference
     from vlmexp.prompts import build_prompt, load_images
-    from vlmexp.rewards import build_reward
+    from vlmexp.rewards_loader import build_reward
 
     cfg = inputs.cfg
     built = [build_reward(name, kwargs, inputs.family.box_frame, inputs.budget, prefilled_think)

@@ -23,7 +23,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
     from vlmexp.processor import prefills_think
-    from vlmexp.rewards import build_reward
+    from vlmexp.rewards_loader import build_reward
     from vlmexp.train.callbacks import CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad

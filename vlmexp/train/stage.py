@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config, StageConfig
+from vlmexp.config import Config
+from vlmexp.config_stages import StageConfig
 from vlmexp.families import Family
 from vlmexp.files import made_by_vlmexp, mark_folder
 from vlmexp.path_checks import KEY_FILE

@@ -1,0 +1,240 @@
+"""The config sections of the training stages and what follows them: SFT, DPO (with its preference pairs) and GRPO
+(with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see `vlmexp.config`,
+whose root `Config` holds these sections): pydantic only."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+from vlmexp.config_base import Section, check_template
+
+TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
+
+LM_LORA_TARGETS = r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"
+
+
+class PeftConfig(Section):
+    """LoRA on the language model (QLoRA: the base loaded in 4 bits, CUDA + bitsandbytes only)."""
+
+    method: Literal["lora", "qlora"] = Field("lora", description="lora, or qlora: LoRA on a 4-bit base (CUDA + "
+                                                                 "bitsandbytes).")
+    r: PositiveInt = Field(16, description="LoRA rank.")
+    alpha: PositiveInt = Field(32, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA path.")
+    target_modules: str | list[str] = Field(
+        LM_LORA_TARGETS, description="Regex (full match) or module names. The default keeps LoRA off the "
+                                     "vision tower, whose MLP shares the language model's layer names.")
+    modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved.")
+
+
+class StageConfig(Section):
+    enabled: bool = Field(True, description="Run this stage; off, the next stage starts from the previous model.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Passed through to TRL's config class.")
+    peft: PeftConfig | None = Field(None, description="LoRA/QLoRA; null = full fine-tuning.")
+    freeze_vision: bool = Field(False, description="Full fine-tuning: keep the vision tower's weights fixed.")
+    freeze_merger: bool = Field(False, description="Full fine-tuning: keep the merger/projector fixed.")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint in the stage folder.")
+
+    @model_validator(mode="after")
+    def _resumable(self) -> StageConfig:
+        if self.resume and self.args.get("save_only_model"):
+            raise ValueError("args.save_only_model: true writes checkpoints without optimizer, scheduler and RNG "
+                             "state, so a resumed run would not continue where it stopped; remove it, or set "
+                             "resume: false")
+        if self.peft is not None and (self.freeze_vision or self.freeze_merger):
+            raise ValueError("freeze_vision/freeze_merger apply to full fine-tuning; with peft only the "
+                             "adapters train already: remove them")
+        return self
+
+
+class SFTStageConfig(StageConfig):
+    """Supervised fine-tuning with trl.SFTTrainer; `args` are trl.SFTConfig fields."""
+
+    target_template: str | None = Field(
+        None, description="What SFT trains on for records that are not rec (whose target is built from the box): "
+        "this text with {answer} (the record's answer or solution) and optionally {problem}, e.g. "
+        "'<think>...</think><answer>{answer}</answer>'. Default null: pairs records train on their chosen answer "
+        "and conversations records on their gpt turn as written, and SFT refuses, before any step, records that "
+        "hold only a ground truth (EasyR1's answer).")
+
+    @field_validator("target_template")
+    @classmethod
+    def _target_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_template(v, TARGET_FIELDS, "the template")
+        return v
+
+
+class RewardSpec(Section):
+    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, math, exact, "
+                      "detection) "
+                      "or module:function. The loader checks the name; its `import_rewards` switch (on in `vlmexp "
+                      "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
+                                                                     "(e.g. iou_threshold's threshold; exact's "
+                                                                     "default_match: vlm_r1 | exact).")
+
+
+class DifficultyFilterConfig(Section):
+    """GRPO's dynamic sampling, done offline: before training, the start model samples `num_samples` completions
+    per training prompt, scored like GRPO's; prompt groups whose scores carry no signal (all equal) or whose mean
+    lies outside (low, high) are dropped, and GRPO trains on the rest (EasyR1's online_filtering semantics)."""
+
+    enabled: bool = Field(False, description="Filter the training prompts before GRPO; off by default.")
+    num_samples: int = Field(8, ge=2, description="Completions per prompt (use grpo.args.num_generations to see "
+                                                  "the groups GRPO will see).")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; default: GRPO's "
+                                                              "(grpo.args.temperature, TRL's default 1.0).")
+    max_new_tokens: PositiveInt | None = Field(None, description="Tokens per completion; default: GRPO's "
+                                                                 "max_completion_length.")
+    reward: str = Field("overall", description="What a group is judged by: overall (the weighted sum of "
+                                               "grpo.rewards GRPO's advantages come from; EasyR1's filter_key) or the "
+                                               "name of one of grpo.rewards.")
+    low: float | None = Field(None, description="Keep a prompt only if its group's mean score is above this "
+                                                "(EasyR1's filter_low, 0.01 there for a 0/1 accuracy). Default: no bound.")
+    high: float | None = Field(None, description="Keep a prompt only if its group's mean score is below this "
+                                                 "(EasyR1's filter_high, 0.99 there). Default: no bound.")
+    batch_size: PositiveInt = Field(8, description="Prompts per generate call while sampling.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DifficultyFilterConfig:
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie between them")
+        return self
+
+
+class GRPOStageConfig(StageConfig):
+    """GRPO with trl.GRPOTrainer; `args` are trl.GRPOConfig fields."""
+
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="format", weight=0.5), RewardSpec(name="iou", weight=1.0)],
+        description="The reward functions and their weights; evaluation scores with the same ones.")
+    sft_adapter: Literal["merge", "continue"] = Field(
+        "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
+                             "full or with a new grpo.peft), or continue training that adapter.")
+    difficulty_filter: DifficultyFilterConfig = Field(
+        default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards carry "
+        "no signal before GRPO trains (dynamic sampling, offline); off by default.")
+
+    @model_validator(mode="after")
+    def _adapter_mode(self) -> GRPOStageConfig:
+        if self.sft_adapter == "continue" and self.peft is not None:
+            raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove grpo.peft, "
+                             "or use sft_adapter: merge to add a new adapter on the merged model")
+        names = [r.name for r in self.rewards]
+        if self.difficulty_filter.reward not in ("overall", *names):
+            raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor one of "
+                             f"grpo.rewards {names}; name one of them")
+        return self
+
+
+class DPOPairsConfig(Section):
+    """Where DPO's preference pairs come from."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    from_: Literal["data", "samples"] = Field(
+        "data", alias="from", description="data: records with chosen/rejected answers; samples: the start model's "
+        "own completions for the training prompts, scored with grpo.rewards, best vs worst.")
+    num_samples: int = Field(4, ge=2, description="samples: completions per prompt.")
+    temperature: float = Field(1.0, gt=0, description="samples: sampling temperature.")
+    max_new_tokens: PositiveInt = Field(64, description="samples: tokens per completion.")
+    min_margin: float = Field(0.1, ge=0, description="samples: keep a pair only when best - worst reward >= this.")
+    batch_size: PositiveInt = Field(8, description="samples: prompts per generate call.")
+
+
+class DPOStageConfig(StageConfig):
+    """DPO with trl.DPOTrainer; `args` are trl.DPOConfig fields. With peft the reference model is the
+    adapter-disabled policy (no copy); in full fine-tuning TRL loads one frozen copy of the start model
+    (precompute_ref_log_probs is refused by TRL 1.16 for image data)."""
+
+    enabled: bool = Field(False, description="Run DPO (between SFT and GRPO); off by default.")
+    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig, description="Where the preference pairs come "
+                                                                                "from.")
+
+    @model_validator(mode="after")
+    def _no_precompute(self) -> DPOStageConfig:
+        if self.args.get("precompute_ref_log_probs"):
+            raise ValueError("args.precompute_ref_log_probs: TRL 1.16's DPOTrainer refuses it for image data; "
+                             "remove it (use peft for a reference model without a copy)")
+        return self
+
+
+class EvalConfig(Section):
+    """Evaluation of the base model and of each trained stage's model on the held-out records."""
+
+    enabled: bool = Field(True, description="Evaluate (needs held-out records: data.val_* or the demo's).")
+    batch_size: PositiveInt = Field(8, description="Records per generate call.")
+    max_new_tokens: PositiveInt = Field(128, description="Tokens generated per record.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    max_samples: PositiveInt | None = Field(None, description="Evaluate on the first N held-out records only; "
+                                                              "default: all.")
+    math_grader: Literal["math_verify", "mathruler"] | None = Field(
+        None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's and "
+                          "verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their figures. "
+                          "Default: the grader of grpo.rewards' math entry, else math_verify.")
+    every_steps: int | None = Field(
+        None, ge=0, description="Validate during SFT, DPO and GRPO every N optimizer steps and at the last step: "
+        "generate on the first eval.during_training_samples held-out records in the stage process and score them "
+        "with this evaluation's scorers, logged to the stage's MLflow run as val/<metric> at that step. 0 or null: "
+        "off (the default).")
+    during_training_samples: PositiveInt = Field(
+        64, description="Held-out records each validation during training generates on (the first N of the "
+        "sampled held-out file); with max_new_tokens and during_training_n it bounds a validation's cost.")
+    during_training_n: PositiveInt = Field(
+        1, description="Completions per record in a validation during training. 1: one completion (greedy at "
+        "temperature 0), logged as val/<metric>. N > 1: N samples at during_training_temperature, logged as "
+        "val/<metric>/mean_at_N (the metric averaged over the N samples) and val/<metric>/best_at_N (each "
+        "record's best-scoring sample): verl's mean@N and best@N, named so MLflow accepts them.")
+    during_training_temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of validation during training; 0 = greedy (needs "
+        "during_training_n: 1).")
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> EvalConfig:
+        if self.during_training_n > 1 and self.during_training_temperature == 0:
+            raise ValueError(f"during_training_n: {self.during_training_n} greedy completions of one record are all "
+                             "the same; set during_training_temperature > 0 (e.g. 1.0), or during_training_n: 1")
+        return self
+
+
+# The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
+METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy",
+               "detection_reward", "detection_ap", "detection_ap50")
+
+
+class ExportConfig(Section):
+    """Export of the last trained model and its registration in the MLflow Model Registry."""
+
+    enabled: bool = Field(True, description="Export the last trained model (a self-contained folder with "
+                                            "manifest.json) and register it.")
+    merge_lora: bool = Field(True, description="Merge a LoRA adapter into the base weights; false: export the "
+                                               "adapter folder as it is.")
+    registered_name: str | None = Field(None, description="Registered model name in MLflow; default: run.name.")
+    metric: str = Field("rec_mean_iou", description="The evaluation metric that decides whether a new version "
+                                                    "takes the `champion` alias.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a higher or a lower "
+                                                                               "metric is better.")
+    registration: Literal["auto", "copy", "reference"] = Field(
+        "auto", description="How the export is registered: copy (its files uploaded into MLflow), reference (the "
+                            "version points at them where they are: a hard-linked snapshot in the output folder, or "
+                            "export.reference_uri), or auto: copy up to export.copy_max_gib, reference above.")
+    copy_max_gib: float = Field(1.0, gt=0, description="auto: the largest export (GiB) registered by copy.")
+    reference_uri: str | None = Field(None, description="reference: where the version points instead of a snapshot, "
+                                                        "e.g. s3://bucket/models/demo-v7; it must hold this export "
+                                                        "(its manifest.json is compared).")
+    checkpoint: Literal["last", "best"] = Field(
+        "last", description="What is exported and registered: last, the last trained stage's final model; best, "
+        "that stage's checkpoint with the best validation during training (export.metric in export.direction, "
+        "as val/<metric>, or val/<metric>/mean_at_N with eval.during_training_n > 1), which is kept out of "
+        "checkpoint rotation. best needs eval.every_steps.")
+
+    @field_validator("metric")
+    @classmethod
+    def _evaluated(cls, v: str) -> str:
+        if v not in METRIC_KEYS:
+            raise ValueError(f"evaluation produces no metric {v!r}; use one of {', '.join(METRIC_KEYS)}")
+        return v
