@@ -59,9 +59,8 @@ class StepRecorder(TrainerCallback):
 
         sync()
         step = {"step": state.global_step, "step_s": time.perf_counter() - self._t0, **self.phases}
-        if self.trainer is not None:
-            total = self.trainer.guard_seconds
-            step["guard_s"] = total - sum(s.get("guard_s", 0.0) for s in self.steps)
+        if self.trainer is not None:  # the guard's running total, less what the earlier steps took
+            step["guard_s"] = self.trainer.guard_seconds - sum(s["guard_s"] for s in self.steps)
         if torch.cuda.is_available():
             step["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.steps.append(step)

@@ -175,7 +175,9 @@ def _message_list(value: Any) -> bool:
 
 def implicit_prompt(record: dict[str, Any]) -> dict[str, Any]:
     """TRL's implicit-prompt preference record with its prompt made explicit: the turns `chosen` and `rejected`
-    both start with (trl/data_utils.py, extract_prompt), the rest of each as the answers."""
+    both start with (trl/data_utils.py, extract_prompt), the rest of each as the answers. Not TRL's function
+    itself: sampling imports no trl/torch, and a record sharing no turn must be refused, not given an empty
+    prompt; at least one turn of each answer is left."""
     chosen, rejected = record["chosen"], record["rejected"]
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
