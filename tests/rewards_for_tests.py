@@ -58,3 +58,22 @@ def odd_rows_vary(prompts, completions, source_row, **kwargs):
     """No signal for records of even `source_row` (0.5 for every completion), a sure one for odd rows: 0, 1, 0, 1
     along the call (a group's completions are consecutive, in GRPO and in DPO-style sampling alike)."""
     return [float(i % 2) if row % 2 else 0.5 for i, row in enumerate(source_row)]
+
+
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "images")
+
+
+def columns_seen(prompts, completions, **kwargs):
+    """Appends each sample's keyword columns (all but TRL's arguments and the images) as a JSON line to the file
+    named by VLMEXP_TEST_COLUMNS_FILE; scores 1.0 where the sample received a source column other than vlmexp's
+    own (REWARD_COLUMNS) that is not None, else 0.0."""
+    import json
+    import os
+
+    from vlmexp.data.record import REWARD_COLUMNS
+
+    columns = {k: v for k, v in kwargs.items() if k not in TRL_ARGUMENTS}
+    rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
+    with open(os.environ["VLMEXP_TEST_COLUMNS_FILE"], "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return [float(any(v is not None for k, v in row.items() if k not in REWARD_COLUMNS)) for row in rows]

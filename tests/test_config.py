@@ -182,11 +182,11 @@ def test_names_are_checked_with_the_schema_problems_at_once(tmp_path):
     """Names the schema leaves to the check phase (rewards, strategies, columns) are reported together with
     the schema's own problems, each at its line."""
     p = _write(tmp_path, "model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n"
-                         "    - {json_path: a.json, sampling_strategy: 'middle:3', columns: {query: q}}\n"
+                         "    - {json_path: a.json, sampling_strategy: 'middle:3', columns: {problm: q}}\n"
                          "eval:\n  batch_size: 0\ngrpo:\n  rewards: [{name: fromat}]\n")
     joined = "\n".join(_problems(p))
     assert f"{p}:5: data.datasets.0.sampling_strategy = 'middle:3': unknown sampling strategy" in joined
-    assert f"{p}:5: data.datasets.0.columns" in joined and "unknown field(s) ['query']" in joined
+    assert f"{p}:5: data.datasets.0.columns" in joined and "did you mean 'problem'" in joined
     assert f"{p}:7: eval.batch_size = 0" in joined
     assert f"{p}:9: grpo.rewards.0.name = 'fromat': unknown reward 'fromat'" in joined
 

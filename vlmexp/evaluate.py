@@ -43,8 +43,9 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
                   rewards: Sequence[Any] = (), prefilled_think: bool = False,
                   math_grader: str | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
-    with the columns GRPO gives them (`reward_columns`). Metrics exist only for the tasks present; unparsable
-    answers score 0. Detection records also give detection_ap / detection_ap50: COCO AP over all of them at once."""
+    with the columns GRPO gives them (`reward_columns`: the source's own fields too). Metrics exist only for the
+    tasks present; unparsable answers score 0. Detection records also give detection_ap / detection_ap50: COCO AP
+    over all of them at once. Each other configured reward (a `module:function` one, say) gives `reward_<name>`."""
     from vlmexp.data.record import columns_of
     from vlmexp.rewards import extract_answer
 
@@ -74,7 +75,30 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
     if per_task["detection"]:
         metrics["detection_reward"] = sum(per_task["detection"]) / len(per_task["detection"])
         metrics.update(detection_metrics(scorers["detection"].fn, texts, columns))
+    metrics.update(other_rewards(rewards, texts, columns, rows, frame, budget, prefilled_think))
     return metrics, rows
+
+
+def other_rewards(rewards: Sequence[Any], texts: Sequence[str], columns: dict[str, list], rows: list[dict[str, Any]],
+                  frame: str, budget: Any, prefilled_think: bool) -> dict[str, float]:
+    """`reward_<name>` (its mean over the records it scores; NaN when it masks them all) for each configured reward
+    not among SCORERS, called as GRPO calls it: completions as assistant messages, every column; each row gets
+    the reward's score under the same key. A name's `:` becomes `.` (MLflow's metric names have no `:`)."""
+    from vlmexp.rewards_loader import build_reward
+
+    out = {}
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    for r in rewards:
+        if r.name in SCORERS:
+            continue
+        key = "reward_" + r.name.replace(":", ".")
+        scores = build_reward(r.name, dict(r.kwargs), frame, budget, prefilled_think)(
+            prompts=[None] * len(texts), completions=completions, **columns)
+        for row, score in zip(rows, scores, strict=True):
+            row[key] = score
+        kept = [s for s in scores if s is not None]
+        out[key] = sum(kept) / len(kept) if kept else float("nan")
+    return out
 
 
 def detection_metrics(reward: Any, texts: Sequence[str], columns: dict[str, list]) -> dict[str, float]:

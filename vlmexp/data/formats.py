@@ -169,6 +169,22 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
                    **parts)
 
 
+def read_fields(record: dict[str, Any], fmt: str) -> set[str]:
+    """The fields of `record` that `parse_record` reads in format `fmt`; the record's others travel with it as the
+    SampledRecord's `extra` and reach the rewards as keyword columns (vlmexp.data.normalise)."""
+    common = {"accu_reward_method", "task", "id"}
+    if fmt == "pairs":
+        return common | {"image", "images", "question", "problem", "chosen", "rejected"}
+    if fmt == "rec":
+        return common | {"image", "problem", "solution", "demonstration"}
+    if fmt == "easyr1":
+        return common | {"images", "problem", "answer"}
+    key = {"conversations": "conversations", "messages": "messages", "alpaca": "instruction"}.get(fmt, "prompt")
+    graded = next((k for k in ("solution", "answer") if record.get(k) is not None), "solution")
+    own = {key, graded, "images", "image", "chosen", "rejected", "rejected_response", "system"}
+    return common | own | {"prompt_completion": {"completion"}, "alpaca": {"history", "input", "output"}}.get(fmt, set())
+
+
 def _message_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 

@@ -4,18 +4,20 @@ The sampler calls `normalise` for every kept row, and `vlmexp score` for every l
 given by a user, so both read a record the same way. Images are resolved through an ImageStore (checked
 once each; embedded ones written beside the sampled file, or only checked when the store has no folder).
 Boxes, a rec record's and each of a detection record's, must be finite, not inverted, inside the image.
+The record's fields its format does not read are kept as the SampledRecord's `extra` (`source_extra`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmexp.data.formats import Example, detect_format, parse_record
-from vlmexp.data.images import ImageStore
-from vlmexp.data.record import SampledRecord
+from vlmexp.data.formats import Example, detect_format, parse_record, read_fields
+from vlmexp.data.images import ImageStore, describe
+from vlmexp.data.record import SampledRecord, clash
 from vlmexp.data.turns import Tags
 from vlmexp.errors import Problem
 
@@ -61,6 +63,9 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
         ex = read_example(record, fmt, task, tags)
     except ValueError as e:
         return Problem(where, "", str(e))
+    extra = source_extra(record, fmt)
+    if isinstance(extra, Problem):
+        return Problem(where, extra.field, extra.message)
     resolved = [store.resolve(ref, image_root) for ref in ex.images]
     if bad := [r for r in resolved if isinstance(r, str)]:
         return Problem(where, "image", bad[0])
@@ -78,7 +83,37 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
                          image_sizes=sizes, image_refs=refs, source=origin.source, source_id=origin.source_id,
                          source_row=origin.row, record_format=fmt, id=ex.id, system=ex.system,
                          history=ex.history, target=ex.target, demonstration=ex.demonstration,
-                         rejected=ex.rejected), sum(embedded)
+                         rejected=ex.rejected, extra=extra), sum(embedded)
+
+
+def _binary(value: Any) -> bool:
+    """An embedded image or raw bytes (a PIL image, a `{bytes, path}` struct, bytes), or a list of them."""
+    if isinstance(value, list):
+        return bool(value) and all(_binary(v) for v in value)
+    return isinstance(value, (bytes, bytearray)) or type(value).__module__.startswith("PIL.") or (
+        isinstance(value, dict) and isinstance(value.get("bytes"), (bytes, bytearray)))
+
+
+def source_extra(record: dict[str, Any], fmt: str) -> dict[str, Any] | Problem:
+    """The record's fields its format does not read (`read_fields`), which rewards receive as keyword columns as
+    TRL passes every column: JSON values as written; embedded images and bytes left out (a sampled record holds
+    images as paths). A field of another type, or named as one of vlmexp's own columns, is a Problem."""
+    extra = {}
+    for name in sorted(set(record) - read_fields(record, fmt)):
+        value = record[name]
+        if _binary(value):
+            continue
+        try:
+            json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            return Problem("", name, f"field {name!r} holds {type(value).__name__} {describe(value)}, which a sampled "
+                           f"record cannot store as JSON ({e}), so rewards could not receive it as a column; convert "
+                           f"it to strings, numbers, lists or objects in the source (e.g. datasets' `map` then "
+                           f"`save_to_disk`, which vlmexp reads)")
+        extra[name] = value
+    if (found := clash(extra)) is not None:
+        return Problem("", *found)
+    return extra
 
 
 def _box_problem(ex: Example, sizes: list[list[int]]) -> str | None:

@@ -4,8 +4,9 @@
 evaluation and `vlmexp eval --records` read them with `read_sampled` and never look at the source's layout
 again (as EasyR1's `RLHFDataset` maps each source's prompt / answer / image keys once, hiyouga/EasyR1
 verl/utils/dataset.py). `reward_columns` is the one place the reward functions' keyword columns are built
-(GRPO's dataset, DPO's sample scoring, evaluation), and `content_sha256` the one digest of sampled data
-(the manifest's, the stage cache keys', MLflow's dataset inputs').
+(GRPO's dataset, DPO's sample scoring, the difficulty filter, validation, evaluation): vlmexp's own columns
+and, as TRL passes every dataset column, the source record's other fields (`extra`). `content_sha256` is the
+one digest of sampled data (the manifest's, the stage cache keys', MLflow's dataset inputs').
 
 A file written in another layout (an older vlmexp kept the source's raw fields) is refused by
 `read_sampled`, naming the file and the fix; the pipeline samples such data again by itself, since
@@ -21,7 +22,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 1: the source's raw fields plus record_format, task, image_paths, image_sizes (no marker)
+SCHEMA_VERSION = 3  # 2: without `extra` (the source's other fields were dropped); 1: the source's raw fields
+# plus record_format, task, image_paths, image_sizes (no marker)
 LOCATION_FIELDS = ("source", "images")  # machine-specific absolute paths: left out of content_sha256
 RESAMPLE = "sampled with an older vlmexp or written by hand: run `vlmexp sample` again (a pipeline run samples again "\
            "by itself)"
@@ -48,6 +50,7 @@ class SampledRecord:
     target: str | None = None  # the answer text SFT imitates as written (a chosen answer, the last assistant turn)
     demonstration: list[float] | None = None  # rec: the box SFT imitates instead of the solution (an annotator's)
     rejected: str | None = None  # the dispreferred answer of a preference record (the chosen one is `target`)
+    extra: dict[str, Any] = field(default_factory=dict)  # the source record's other fields, as JSON: reward columns
     schema: int = SCHEMA_VERSION
 
     @property
@@ -75,6 +78,10 @@ def from_dict(data: dict[str, Any], where: str) -> SampledRecord:
     unknown, missing = sorted(set(data) - set(FIELD_NAMES)), [k for k in REQUIRED if k not in data]
     if unknown or missing:
         raise ValueError(f"{where}: not a sampled record (unknown fields {unknown}, missing {missing}); {RESAMPLE}")
+    if not isinstance(data.get("extra", {}), dict):
+        raise ValueError(f"{where}: `extra` must be an object of the source's fields; {RESAMPLE}")
+    if (found := clash(data.get("extra", {}))) is not None:
+        raise ValueError(f"{where}: {found[1]}")
     return SampledRecord(**data)
 
 
@@ -101,21 +108,61 @@ def read_sampled(path: str | Path) -> list[SampledRecord]:
     return out
 
 
-def reward_columns(record: SampledRecord) -> dict[str, Any]:
-    """The keyword columns reward functions receive for `record` (GRPO's dataset columns; DPO's sample
-    scoring and evaluation pass the same): the solution as a string (a box as JSON), task, method, sizes."""
-    return {"solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
+# The keyword arguments a reward receives besides a record's `extra`: vlmexp's columns (`reward_columns`), GRPO's
+# dataset columns TRL reads itself, and what TRL's GRPOTrainer adds (trl/trainer/grpo_trainer.py,
+# `_calculate_rewards`). A source field of one of these names is refused at sampling (`clash`).
+REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
+OWN_COLUMNS = {
+    "solution": "the answer rewards grade", "task": "the task that scores the answer",
+    "accu_reward_method": "how the answer is scored", "image_sizes": "the images' [width, height]",
+    "source_row": "the record's row in its source", "image_path": "the first image's path",
+    "prompt": "GRPO's prompt column", "image": "GRPO's image column", "images": "GRPO's images column",
+    "prompts": "TRL's prompts argument", "completions": "TRL's completions argument",
+    "completion": "TRL's completion column", "completion_ids": "TRL's completion_ids argument",
+    "trainer_state": "TRL's trainer_state argument", "log_metric": "TRL's log_metric hook",
+    "log_extra": "TRL's log_extra hook", "environments": "TRL's environments argument",
+}
+
+
+def clash(extra: dict[str, Any]) -> tuple[str, str] | None:
+    """(the field, why) where a record's `extra` cannot reach the rewards under its own name because vlmexp or TRL
+    passes a keyword of that name; None when every field can."""
+    for name in extra:
+        if name in OWN_COLUMNS:
+            return name, (f"the source's field {name!r} has the name of vlmexp's reward column {name!r} "
+                          f"({OWN_COLUMNS[name]}), so rewards could not receive both; give the source's column "
+                          f"another name with `columns: {{<new name>: {name}}}` in its data YAML entry (rewards "
+                          f"receive it under the new name), or drop it from the source")
+    return None
+
+
+def source_columns(record: SampledRecord) -> dict[str, Any]:
+    """The source's own fields a reward receives: its `id` (as a string) where it has one, and its `extra`."""
+    return {**({"id": record.id} if record.id is not None else {}), **record.extra}
+
+
+def reward_columns(record: SampledRecord, names: Sequence[str] = ()) -> dict[str, Any]:
+    """The keyword columns reward functions receive for `record`, as TRL passes every dataset column (GRPO's
+    dataset columns; DPO's sample scoring, the difficulty filter, validation and evaluation pass the same): the
+    source's own fields (`source_columns`; `names` it lacks as None, for rows of several sources), then vlmexp's:
+    the solution as a string (a box as JSON), task, method, sizes, row, first image."""
+    return {**{name: None for name in names}, **source_columns(record),
+            "solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
             "task": record.task, "accu_reward_method": record.method, "image_sizes": record.image_sizes,
             "source_row": record.source_row, "image_path": record.images[0] if record.images else ""}
 
 
+def source_column_names(records: Iterable[SampledRecord]) -> list[str]:
+    """The names of every record's `source_columns`, in the order first seen."""
+    return list(dict.fromkeys(name for r in records for name in source_columns(r)))
+
+
 def columns_of(records: Sequence[SampledRecord]) -> dict[str, list[Any]]:
-    """`reward_columns` of several records, as the column lists reward functions take."""
-    rows = [reward_columns(r) for r in records]
-    return {key: [row[key] for row in rows] for key in REWARD_COLUMNS}
-
-
-REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
+    """`reward_columns` of several records, as the column lists reward functions take (a field some records
+    lack is None for them)."""
+    names = source_column_names(records)
+    rows = [reward_columns(r, names) for r in records]
+    return {key: [row[key] for row in rows] for key in (*names, *REWARD_COLUMNS)}
 
 
 def content_sha256(records: Iterable[SampledRecord]) -> str:

@@ -244,11 +244,29 @@ def check_source(src: DataSource) -> list[tuple[str, Any, str]]:
         parse_strategy(src.sampling_strategy)
     except ValueError as e:
         out.append(("sampling_strategy", src.sampling_strategy, str(e)))
-    unknown = sorted(set(src.columns or {}) - set(FIELDS))
-    if unknown:
-        out.append(("columns", src.columns, f"unknown field(s) {unknown} in columns; map the source's columns to "
-                                            f"these fields: {', '.join(FIELDS)} (as `field: source_column`)"))
+    for name in src.columns or {}:
+        if (msg := own_name_problem(name)) is not None:
+            out.append(("columns", src.columns, msg))
     return out
+
+
+def own_name_problem(name: str) -> str | None:
+    """Why `columns` may not map a source column to `name`, or None: a field vlmexp reads (FIELDS) is fine, and so
+    is a name of the user's own (the column then reaches the rewards under it), unless it is one of vlmexp's
+    reward columns or so close to a field that it is likely that field misspelt."""
+    import difflib
+
+    from vlmexp.data.formats import FIELDS
+    from vlmexp.data.record import OWN_COLUMNS
+
+    if name in FIELDS:
+        return None
+    fix = f"map the source's columns to these fields: {', '.join(FIELDS)}, or to a name of your own for a reward column"
+    if name in OWN_COLUMNS:
+        return f"{name!r} in columns is vlmexp's reward column ({OWN_COLUMNS[name]}); {fix}"
+    if near := difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.85):
+        return f"{name!r} in columns is not a field vlmexp reads; did you mean {near[0]!r}? ({fix})"
+    return None
 
 
 def load_data_yaml(path: str | Path) -> list[DataSource]:

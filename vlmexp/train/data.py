@@ -5,8 +5,8 @@ parts and computes the loss on the completion only. When a record holds earlier 
 conversation), every row is conversational language modeling instead, `messages` (the prompt's turns and the
 answer) plus `images`, and SFT trains with TRL's `assistant_only_loss`: the loss falls on every assistant turn
 and on nothing else (`require_assistant_masks`). GRPO rows: conversational `prompt` plus `images`;
-the record's `reward_columns` (solution, task, accu_reward_method, image_sizes, source_row, image_path) reach
-the reward functions as keyword columns.
+the record's `reward_columns` (the source's other fields, then solution, task, accu_reward_method, image_sizes,
+source_row, image_path) reach the reward functions as keyword columns.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import DataConfig
-from vlmexp.data.record import read_sampled, reward_columns
+from vlmexp.data.record import source_column_names, read_sampled, reward_columns
 from vlmexp.families import Family
 from vlmexp.prompts import build_prompt, load_images, target_text
 
@@ -28,6 +28,7 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
 
     records = read_sampled(path)
     multi_turn = stage == "sft" and any(r.history for r in records)
+    names = source_column_names(records)  # every row gets every column: Dataset.from_list takes the first row's keys
     rows = []
     for record in records:
         row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record.images)}
@@ -38,7 +39,7 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
             else:
                 row["completion"] = answer
         else:
-            row.update(reward_columns(record))
+            row.update(reward_columns(record, names))
         rows.append(row)
     return Dataset.from_list(rows)
 
