@@ -51,7 +51,7 @@ def test_rec_format_variants(tmp_path, imgs):
     assert [r.solution for r in rows] == [[1, 2, 30, 40], [5, 6, 70, 50], [0, 0, 10, 10]]  # every spelling: a box
     assert rows[0].source == str(src) and rows[0].record_format == "rec" and rows[2].source_row == 2
     line = json.loads(res.path.read_text().splitlines()[2])
-    assert "extra" not in line and line["schema"] == 2  # the source's other fields are not carried
+    assert line["extra"] == {"extra": 1} and line["schema"] == 3 and rows[0].extra == {}  # the source's other fields
 
 
 def test_conversations_format_multi_image(tmp_path, imgs):

@@ -181,7 +181,8 @@ class DataSource(Section):
                               "accu_reward_method, else from the record format.")
     columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
                                            "e.g. {problem: question, answer: solution, images: image} (EasyR1's "
-                                           "prompt_key / answer_key / image_key).")
+                                           "prompt_key / answer_key / image_key), or a column of your own to the "
+                                           "name rewards receive it under, e.g. {caption: normal_caption}.")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
     dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: the dataset_info.json entry to "
