@@ -232,3 +232,22 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
     seen = _seen(columns_file)
     assert len(seen) == 6
     _assert_each_saw_its_own(seen, records)
+
+
+def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_path):
+    """GRPO's dataset is Arrow, as TRL's: one source's `difficulty: 1` and another's `difficulty: "hard"` cannot be one
+    column; refused naming it, before any model loads."""
+    from vlmexp.config_loader import load_config
+    from vlmexp.families import get_family
+    from vlmexp.train.data import build_dataset
+
+    entries = [{"json_path": str(vlmr1_rec(tmp_path / name, difficulty=values)),
+                "image_root": str(tmp_path / name / "train2014")} for name, values in (("a", [1, 2]), ("b", ["hard"] * 2))]
+    path = sample_sources([DataSource(**e) for e in entries], tmp_path / "s.jsonl", 0).path
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
+    with pytest.raises(DataError, match="difficulty: the source column 'difficulty' holds values of different types "
+                                        r"across records \(int, str"):
+        build_dataset(path, cfg.data, get_family("qwen2_5_vl"), None, "grpo")
+    rows = build_dataset(sample_sources([DataSource(**entries[0])], tmp_path / "one.jsonl", 0).path, cfg.data,
+                         get_family("qwen2_5_vl"), None, "grpo")
+    assert rows["difficulty"] == [1, 2] and rows["normal_caption"] == CAPTIONS

@@ -41,7 +41,27 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
         else:
             row.update(reward_columns(record, names))
         rows.append(row)
+    check_column_types(path, rows, names)
     return Dataset.from_list(rows)
+
+
+def check_column_types(path: str | Path, rows: list[dict[str, Any]], names: list[str]) -> None:
+    """Refuse, naming the column, a source column whose values Arrow (TRL's datasets) cannot hold as one type, as
+    when one source writes `difficulty: 2` and another `difficulty: "hard"`."""
+    import pyarrow as pa
+
+    from vlmexp.errors import DataError, Problem
+
+    for name in names:
+        try:
+            pa.array([row[name] for row in rows])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            types = sorted({type(row[name]).__name__ for row in rows if row[name] is not None})
+            raise DataError(Problem(str(path), name, f"the source column {name!r} holds values of different types "
+                                    f"across records ({', '.join(types)}: {e}); GRPO's dataset (Arrow, as TRL's) "
+                                    f"needs one type per column: write it alike in every source, or give one "
+                                    f"source's column another name with `columns:`"),
+                            title="a reward column TRL's dataset cannot hold") from None
 
 
 def require_assistant_masks(args, processor) -> None:
