@@ -79,7 +79,14 @@ def _sample(tmp_path, entries) -> list:
 
 
 def test_sampled_records_keep_the_source_columns_and_the_digest_covers_them(sources, tmp_path):
-    records = _sample(tmp_path / "a", sources)
+    from vlmexp.data.sampling import format_report
+
+    result = sample_sources([DataSource(**e) for e in sources], tmp_path / "a" / "s.jsonl", 0)
+    explained = format_report(result, explain=True)  # `vlmexp sample --explain`, and the manifest, name them
+    assert "its own columns ['normal_caption'] reach the rewards" in explained
+    assert "its own columns ['id', 'choices', 'ground_truth'] reach the rewards" in explained
+    assert "its own columns ['difficulty', 'tags'] reach the rewards" in explained
+    records = read_sampled(result.path)
     assert [r.record_format for r in records] == ["rec", "rec", "easyr1", "easyr1", "messages", "messages"]
     for r in records:
         own = {**({"id": r.id} if r.id is not None else {}), **r.extra}

@@ -23,7 +23,7 @@ from vlmexp.data import llamafactory
 from vlmexp.data.formats import detect_format, no_format
 from vlmexp.data.images import ImageStore
 from vlmexp.data.normalise import Origin, normalise
-from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256
+from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256, source_column_names
 from vlmexp.data.sources import locate, open_table, sha256_file
 from vlmexp.data.strategies import parse_strategy, select_rows
 from vlmexp.errors import DataError, Problem
@@ -50,6 +50,7 @@ class SourceReport:
     embedded_images: int = 0
     detected_by: list[str] = field(default_factory=list)  # the fields that decided record_format
     dataset: str | None = None  # the dataset of a LLaMA-Factory folder (its dataset_info.json entry)
+    own_columns: list[str] = field(default_factory=list)  # the source's fields the rewards receive besides vlmexp's
 
 
 @dataclass
@@ -126,7 +127,7 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[S
     report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy, found[0] if found else "",
                           ",".join(sorted(tasks)) or (src.task or ""), image_root, len(table), len(out), kind,
                           table.identity.get("fingerprint"), table.identity.get("revision"), src.columns, embedded,
-                          found[1] if found else [], named.dataset)
+                          found[1] if found else [], named.dataset, source_column_names(out))
     return out, report, problems
 
 
@@ -194,4 +195,6 @@ def explain_source(s: SourceReport) -> str:
         line += f"; LLaMA-Factory dataset {s.dataset!r}"
     if s.columns:
         line += f"; columns renamed {s.columns} (field: source column)"
+    if s.own_columns:
+        line += f"; its own columns {s.own_columns} reach the rewards as keyword arguments"
     return line
