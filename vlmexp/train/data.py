@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmexp.config import DataConfig
-from vlmexp.data.record import source_column_names, read_sampled, reward_columns
+from vlmexp.data.record import read_sampled, reward_columns, source_column_names
 from vlmexp.families import Family
 from vlmexp.prompts import build_prompt, load_images, target_text
 
