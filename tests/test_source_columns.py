@@ -258,3 +258,16 @@ def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_p
     rows = build_dataset(sample_sources([DataSource(**entries[0])], tmp_path / "one.jsonl", 0).path, cfg.data,
                          get_family("qwen2_5_vl"), None, "grpo")
     assert rows["difficulty"] == [1, 2] and rows["normal_caption"] == CAPTIONS
+
+
+def test_vlmexp_score_reads_a_predictions_line_with_the_source_columns(sources, tmp_path):
+    """`vlmexp score`: each line a data record with the model's output as `completion`; the record's own columns
+    travel with it to the rewards, the output does not."""
+    from vlmexp.evaluate import read_predictions
+
+    rows = json.loads(Path(sources[0]["json_path"]).read_text())
+    preds = tmp_path / "predictions.jsonl"
+    preds.write_text("".join(json.dumps({**r, "completion": "<answer>[4, 6, 30, 40]</answer>"}) + "\n" for r in rows))
+    records, completions = read_predictions(preds, sources[0]["image_root"])
+    assert [r.extra for r in records] == [{"normal_caption": c} for c in CAPTIONS]
+    assert completions == ["<answer>[4, 6, 30, 40]</answer>"] * 2
