@@ -248,7 +248,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
         print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)
-        return subprocess.call(command)
+        from vlmexp.pipeline.processes import stop_process_tree
+
+        launcher = subprocess.Popen(command)
+        try:
+            return launcher.wait()
+        except KeyboardInterrupt:  # a stop: the launcher and its workers (in sessions of their own) stop too
+            stop_process_tree(launcher)
+            raise
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.stage == "sft":
         from vlmexp.train.sft import run_sft
