@@ -240,3 +240,24 @@ def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
         assert client.read_flow_run(running.id).state.type.value == "CANCELLING"
         assert client.read_flow_run(done.id).state.type.value == "COMPLETED"
         assert client.read_flow_run(other.id).state.type.value == "PENDING"
+
+
+def test_torchrun_stopped_by_a_signal_of_its_own_is_a_stop_not_a_failure(tmp_path):
+    """torchrun reports a signal as exit code 1 with `SignalException: ... got signal`: a stage whose launcher
+    alone was signalled (this process got nothing) is interrupted, not failed, so it is not retried."""
+    import psutil
+
+    from vlmexp.pipeline.processes import StageInterrupted, run_streaming, stop_signal
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+
+    def on_line(line: str) -> None:
+        if line == "ready":  # signal torchrun, the tied wrapper's exec
+            [launcher] = [p for p in psutil.Process().children() if "torchrun" in " ".join(p.cmdline())]
+            launcher.send_signal(signal.SIGINT)
+
+    with pytest.raises(StageInterrupted, match=r"stopped by a signal \(exit code 1\)") as stopped:
+        run_streaming([torchrun, "--nproc_per_node=1", "--standalone", str(worker)], os.environ, on_line)
+    assert "got signal: 2" in str(stopped.value) and stop_signal() is None
