@@ -47,7 +47,7 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
     runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""
     from vlmexp.errors import quiet_bad_input_tracebacks
     from vlmexp.pipeline.keys import check_pipeline_parameters
-    from vlmexp.pipeline.processes import StageInterrupted
+    from vlmexp.pipeline.processes import StageInterrupted, note_stop, stop_signal, stopped_by
 
     quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
     check_pipeline_parameters(config, overrides)
@@ -55,7 +55,9 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
     try:
         return _pipeline(config, overrides, force, started)
     except (KeyboardInterrupt, TerminationSignal, StageInterrupted) as stop:
-        by = "SIGTERM" if isinstance(stop, TerminationSignal) or str(stop) == "signal 15" else "Ctrl-C"
+        if isinstance(stop, TerminationSignal) and stop_signal() is None:  # Prefect's SIGTERM handler raised it
+            note_stop(stop.signal)
+        by = stopped_by(stop_signal())  # this process's signal; none: a stage stopped from outside, or Ctrl-C
         cancel_child_runs(str(flow_run.id or ""))
         mark_killed(started.get("resolved"), [started.get("parent", "")])  # a stage's run: pipeline/steps.py
         return Cancelled(message=f"stopped by {by}; run the same command again to resume")

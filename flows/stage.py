@@ -11,6 +11,7 @@ written to <stage folder>/stage_result.json.
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 
 from vlmexp.results import Evaluation, StageResult
 
@@ -20,10 +21,18 @@ def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, par
               force: bool = False, name: str | None = None, records: str | None = None) -> StageResult | Evaluation:
     """Train `stage` (sft, dpo, grpo) from `model`, or evaluate `model` as candidate `name` on `records`
     (stage eval), for the resolved config at `resolved`."""
+    import signal
+
+    from vlmexp.pipeline.processes import StageInterrupted, stop_signal
     from vlmexp.pipeline.steps import run_evaluation, run_training_stage
 
     if stage == "eval":
         if not (name and model and records):
             raise ValueError(f"stage eval needs name, model and records; got {name=}, {model=}, {records=}")
         return run_evaluation(name, resolved, key, model, records)
-    return run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
+    try:
+        return run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
+    except StageInterrupted as e:
+        if stop_signal() == signal.SIGTERM:  # the worker's cancel, passed on to the stage's processes: to Prefect
+            raise TerminationSignal(signal.SIGTERM) from e  # as its own SIGTERM handler raises it (a cancel)
+        raise

@@ -43,8 +43,10 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     while a Hub outage or a full disk may pass on the next try. An interrupted stage (Ctrl-C, SIGTERM, a
     cancel) is a stop, never retried."""
     from vlmexp.errors import VlmexpError
-    from vlmexp.pipeline.processes import StageInterrupted
+    from vlmexp.pipeline.processes import StageInterrupted, stop_signal
 
+    if stop_signal() is not None:  # this process is stopping: whatever the stage's exit said, never again
+        return False
     try:
         state.result()
     except (VlmexpError, StageInterrupted, KeyboardInterrupt):
@@ -118,7 +120,8 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
     return remote_result(name, str(run.id), run.state.type.value, run.state.message, folder, key, kind)
 
 
-@task(name="train-stage", cache_key_fn=_key("train"), persist_result=True)
+@task(name="train-stage", cache_key_fn=_key("train"), persist_result=True,
+      retry_condition_fn=retry_unless_bad_input)
 def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
                 force: bool = False) -> StageResult:
     """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
@@ -135,7 +138,8 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
     return result.model_copy(update={"flow_run_id": str(flow_run.id)})
 
 
-@task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True)
+@task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True,
+      retry_condition_fn=retry_unless_bad_input)
 def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> Evaluation:
     """Generate on the held-out records with `model` and score with the training rewards (here, or on the
     `eval` deployment)."""
@@ -177,7 +181,8 @@ def _artifact_key(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-@task(name="export", cache_key_fn=_key("export"), persist_result=True)
+@task(name="export", cache_key_fn=_key("export"), persist_result=True,
+      retry_condition_fn=retry_unless_bad_input)
 def export_model(resolved: str, key: str, model: str, parent_run_id: str, provenance: dict[str, Any]) -> str:
     """Merge (if LoRA), save a self-contained folder with manifest.json, and log it to the parent run."""
     from vlmexp.export import export_model as export

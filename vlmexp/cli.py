@@ -83,7 +83,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     imports prefect): `vlmexp run` is a shortcut for calling the flow; `vlmexp prefect-setup` the other.
     """
     import os
-    import signal
 
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
@@ -97,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with temporary_server():
         state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force, return_state=True)
     if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
-        raise KeyboardInterrupt(f"signal {int(signal.SIGTERM)}" if "SIGTERM" in (state.message or "") else "")
+        raise KeyboardInterrupt(state.message)
     print(state.result().summary)
     return 0
 
@@ -249,7 +248,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
         print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)
-        return subprocess.call(command)
+        from vlmexp.pipeline.processes import stop_process_tree
+
+        launcher = subprocess.Popen(command)
+        try:
+            return launcher.wait()
+        except KeyboardInterrupt:  # a stop: the launcher and its workers (in sessions of their own) stop too
+            stop_process_tree(launcher)
+            raise
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.stage == "sft":
         from vlmexp.train.sft import run_sft
@@ -405,21 +411,27 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     import signal
-
-    def terminated(signum, frame):  # SIGTERM stops a run as Ctrl-C does: its stage processes are stopped too
-        raise KeyboardInterrupt(f"signal {signum}")
-
     import threading
 
-    main_thread = threading.current_thread() is threading.main_thread()  # handlers only go there
-    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    from vlmexp.pipeline.processes import STOP_SIGNALS, StageInterrupted, note_stop, stop_signal, stopped_by
+
+    def stop(signum, frame):  # SIGTERM and SIGHUP stop a command as Ctrl-C does: its stage processes are stopped too
+        note_stop(signum)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # handlers only go to the main thread. SIGINT is taken even when it came ignored (a background job of a
+    # script), as torchrun takes it; a SIGHUP ignored on purpose (nohup) stays ignored
+    taken = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stop) for s in taken} if main_thread else {}
     try:
         return args.func(args)
-    except KeyboardInterrupt as e:
-        stopped_by_term = str(e) == f"signal {int(signal.SIGTERM)}"
-        print(f"stopped by {'SIGTERM' if stopped_by_term else 'Ctrl-C'}; run the same command again to resume",
-              file=sys.stderr)
-        return 143 if stopped_by_term else 130
+    except (KeyboardInterrupt, StageInterrupted) as e:
+        if isinstance(e, StageInterrupted) and stop_signal() is None:
+            raise  # a stage stopped from outside, not this command: its error
+        signum = stop_signal() or signal.SIGINT
+        print(f"stopped by {stopped_by(signum)}; run the same command again to resume", file=sys.stderr)
+        return 128 + signum
     except VlmexpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -427,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def exit_without_teardown(code: int) -> NoReturn:
