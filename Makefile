@@ -4,9 +4,10 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PIP     = $(VENV)/bin/pip
-# pytest-xdist processes: one per core of the 2-core machines CI and the developers run on
+# pytest-xdist processes, one per core of the 2-core machines CI and the developers run on; work stealing
+# keeps both busy to the end, since a few tests (benchmarks at small size, multi-process launches) take minutes
 TEST_WORKERS ?= 2
-PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 
