@@ -1,11 +1,15 @@
-"""Shared fixtures: tiny models and demo data are built once per test session (offline, seconds)."""
+"""Shared fixtures: tiny models and demo data are built once per test run (offline, seconds) and shared by
+the processes of a parallel run; a skipped test fails the run unless the machine itself rules the test out."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from vlmexp.data.demo import Scenes
 
@@ -16,19 +20,59 @@ SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.per_device
                  "grpo.args.gradient_accumulation_steps=1"]
 
 
+# A skip means the test did not run. `make test` installs everything the tests need (Chromium, pycocotools,
+# mathruler, hypothesis), so a skip hides an untested path: it fails the run, saying what is missing. The
+# reasons below are the machine ruling a test out, not something an install would bring: they stay skips.
+ALLOWED_SKIPS = ("this machine has CUDA",)
+
+
+def _skip_fails(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not any(allowed in reason for allowed in ALLOWED_SKIPS):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped, so it did not run: {reason}\n`make install` installs what every test needs "
+                           "(tests/conftest.py ALLOWED_SKIPS lists the skips that stay skips)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _skip_fails(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _skip_fails(outcome.get_result())
+
+
+def shared(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)` once per test run, in a folder every process of a parallel (xdist) run finds: the
+    first process builds it under a lock, the others wait and reuse it. Nothing may write into it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # an xdist worker's basetemp is a folder in the run's
+        root = root.parent
+    folder = root / "shared" / name
+    done = folder.with_name(folder.name + ".done")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A built tiny model folder per family, created lazily."""
     from vlmexp.tiny import make_tiny_model
 
-    root = tmp_path_factory.mktemp("tiny")
-    cache: dict[str, Path] = {}
-
     class Models(dict):
         def __missing__(self, family: str) -> Path:
-            cache[family] = make_tiny_model(root / family, family)
-            self[family] = cache[family]
-            return cache[family]
+            self[family] = shared(tmp_path_factory, f"tiny/{family}", lambda out: make_tiny_model(out, family))
+            return self[family]
 
     return Models()
 
@@ -41,7 +85,8 @@ VARIED_SCENES = Scenes(width=(160, 320), height=(120, 280), objects=(2, 3), back
 def demo_data(tmp_path_factory) -> Path:
     from vlmexp.data.demo import make_demo_data
 
-    return make_demo_data(tmp_path_factory.mktemp("demo") / "data", train=24, val=8, seed=0, scenes=VARIED_SCENES)
+    return shared(tmp_path_factory, "demo/data",
+                  lambda out: make_demo_data(out, train=24, val=8, seed=0, scenes=VARIED_SCENES))
 
 
 def write_json(path: Path, obj) -> Path:

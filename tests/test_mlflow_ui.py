@@ -1,7 +1,8 @@
 """The MLflow UI as a person sees it (`vlmexp ui`, rendered by headless Chromium): a GRPO run's page opens on
 the section `Summary` holding the reward and the main evaluation metric, before TRL's sections. It checks the
 premise tests/test_flow.py builds on (the UI orders sections by name, upper case first) against the installed
-MLflow's own JavaScript. Needs the `chromium` package; skipped, saying so, where it is missing."""
+MLflow's own JavaScript. Needs the `chromium` package (`make test` installs it where apt-get runs as root);
+where it is missing the skip below fails the run (tests/conftest.py), saying so."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from vlmexp.config_loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt install chromium)")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    CHROMIUM is None, reason="needs chromium (`make chromium`, or the system's chromium package)")]
 
 
 def _sections(url: str) -> list[tuple[str, int]]:
