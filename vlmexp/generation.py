@@ -13,8 +13,9 @@ GRPO's generation slower; compiled, it was 2.5-3.8 x faster.
 The static cache's precision: transformers sizes a static cache by the first keys it stores. A float32 model
 under bf16 autocast produces float32 keys (Qwen-VL's rotary embedding multiplies by float32 cos/sin) and bf16
 values, and the cache then refuses the values (`index_copy_(): self and source expected to have the same dtype`).
-`PrecisionStaticCache` holds both in the precision the model runs in (the autocast dtype when autocast is on)
-and casts what it stores; `use_precise_static_cache` makes a model's `generate` use it where that is needed.
+`make_precise_static_cache` holds both in the precision the model runs in (the autocast dtype when autocast is on
+inside the forward, as accelerate's mixed-precision wrapper has it) and casts what it stores; every static-cache
+generate call of the module gets one (`counted_generate`).
 
 Compilations are counted (`CompileCount`, from torch._dynamo's counter of graphs); a generate call at a shape
 (batch size, cache length) that compiled before and compiles again is a warning naming the shape.
@@ -112,17 +113,17 @@ def bucketed(length: int, bucket: int) -> int:
 
 
 def make_precise_static_cache(model, max_cache_len: int):
-    """A static cache for `model` whose keys and values are held in the dtype the model computes in: the autocast
-    dtype while autocast is on for the model's device, else the dtype of the values it first stores."""
+    """A static cache for `model` whose keys and values are held in the dtype the model computes in: decided when
+    the first keys arrive (inside the forward, where accelerate's autocast wrapper is active during training), the
+    autocast dtype when autocast is on, else the values' dtype; what is stored is cast to it."""
     import torch
     from transformers.cache_utils import StaticCache, StaticLayer
 
-    device_type = model.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
     class PrecisionStaticLayer(StaticLayer):
         def lazy_initialization(self, key_states, value_states):
-            super().lazy_initialization(key_states.to(dtype or value_states.dtype), value_states)
+            device = key_states.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value_states.dtype
+            super().lazy_initialization(key_states.to(dtype), value_states.to(dtype))
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
@@ -135,18 +136,9 @@ def make_precise_static_cache(model, max_cache_len: int):
     return cache
 
 
-def needs_precise_cache(model) -> bool:
-    """True when autocast would run `model` in another dtype than its weights (a float32 model under bf16
-    autocast): transformers' static cache then gets keys and values of two dtypes."""
-    import torch
-
-    device_type = model.device.type
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != model.dtype
-
-
 def counted_generate(model, generate, count: CompileCount, **kwargs):
     """`generate(**kwargs)` for `model`, counting the graphs it compiles under its decode shape; a static cache
-    in the model's running precision where autocast changes it (see the module docstring)."""
+    holds keys and values in the model's running precision (see the module docstring)."""
     import copy
 
     config = kwargs.get("generation_config") or model.generation_config
@@ -156,7 +148,7 @@ def counted_generate(model, generate, count: CompileCount, **kwargs):
     cache_len = max(length + new_tokens, getattr(model, "_vlmexp_cache_len", 0))  # as transformers reuses its cache
     if static:
         model._vlmexp_cache_len = cache_len
-        if needs_precise_cache(model) and "past_key_values" not in kwargs:
+        if "past_key_values" not in kwargs:
             kwargs["past_key_values"] = precise_static_cache(model, batch, cache_len)
             kwargs.pop("cache_implementation", None)  # transformers refuses a cache and a cache_implementation
             kwargs["generation_config"] = copy.copy(config)
@@ -168,11 +160,9 @@ def counted_generate(model, generate, count: CompileCount, **kwargs):
 
 
 def precise_static_cache(model, batch: int, cache_len: int):
-    """The model's precise static cache for this shape and precision, reset; built once per shape, as transformers
-    keeps one cache across calls (a compiled step then finds the same tensors)."""
-    import torch
-
-    key = (batch, cache_len, torch.get_autocast_dtype(model.device.type))
+    """The model's precise static cache for this shape, reset; built once per shape, as transformers keeps one
+    cache across calls (a compiled step then finds the same tensors)."""
+    key = (batch, cache_len)
     cache = getattr(model, "_vlmexp_caches", {}).get(key)
     if cache is None:
         model._vlmexp_caches = {key: make_precise_static_cache(model, cache_len)}
@@ -184,7 +174,7 @@ def precise_static_cache(model, batch: int, cache_len: int):
 def configure_trainer(trainer, settings: Settings) -> CompileCount:
     """Make a TRL GRPOTrainer generate as `settings` say: its GenerationConfig's compile switch, cache and compile
     config, the prompt padding to the bucket (TRL's own `pad_to_multiple_of`, used where it left-pads prompts),
-    and the model's `generate` counting compilations (and using the precise static cache under autocast). Eager
+    and the model's `generate` counting compilations (and using the precise static cache). Eager
     with a dynamic cache leaves TRL's generation config as TRL built it."""
     count = CompileCount()
     device_type = trainer.accelerator.device.type
