@@ -72,7 +72,7 @@ class StepRecorder(TrainerCallback):
 
 
 class StepProfile(TrainerCallback):
-    """A torch.profiler trace of one optimizer step (CPU and CUDA activity, shapes, memory): trace.json.gz (open
+    """A torch.profiler trace of one optimizer step (CPU and CUDA activity, with shapes): trace.json.gz (open
     in Perfetto or chrome://tracing) and ops.txt, the operators by total CUDA (else CPU) time, in `folder`."""
 
     def __init__(self, step: int, folder: Path):
@@ -85,7 +85,7 @@ class StepProfile(TrainerCallback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self.profiler.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
