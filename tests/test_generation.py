@@ -119,18 +119,21 @@ def test_compiled_generation_matches_eager_and_compiles_once_per_shape(tiny):
     compiled = Generator(model, processor, family, Settings(True, "static", 64))
     assert compiled(prompts, images, 8, 0.0, 2) == eager
     count = compiled.count
-    # batches of 2: prompts padded to 128 and to 192 tokens, caches of 136 and 200: two shapes, each compiled once
-    assert sorted(count.shapes) == [(2, 136), (2, 200)] and len(set(count.shapes.values())) == 1
-    assert count.total == sum(count.shapes.values()) > 0 and not count.unexplained
+    # batches of 2, prompts padded to 128 and to 192 tokens: at most two cache lengths (fewer when an earlier call
+    # left a longer cache, which transformers and the module keep), each compiled once
+    assert 1 <= len(count.shapes) <= 2 and all(batch == 2 for batch, _ in count.shapes)
+    assert len(set(count.shapes.values())) == 1 and not count.unexplained
+    assert count.total == sum(count.shapes.values()) > 0
     total = count.total
     assert compiled(prompts[:2], images[:2], 8, 0.0, 2) == eager[:2]  # transformers keeps its longest cache
     smaller = Generator(model, processor, family, replace(compiled.settings, bucket=16), count)
     assert smaller(prompts, images, 8, 0.0, 2) == eager  # other buckets, the same longest cache: nothing new
     assert count.total == total and not count.unexplained, count
-    assert count.metrics() == {"generation/compilations": total, "generation/compiled_shapes": 2,
+    assert count.metrics() == {"generation/compilations": total, "generation/compiled_shapes": len(count.shapes),
                                "generation/unexplained_compilations": 0}
-    count.record((2, 200), 1)  # a shape compiled before that compiles again: named, not explained by the buckets
-    assert count.unexplained and "batch 2 x cache length 200" in count.unexplained[0]
+    seen = next(iter(count.shapes))
+    count.record(seen, 1)  # a shape compiled before that compiles again: named, not explained by the buckets
+    assert count.unexplained and f"batch 2 x cache length {seen[1]}" in count.unexplained[0]
 
 
 @pytest.mark.slow
