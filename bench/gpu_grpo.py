@@ -75,10 +75,20 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU-friendly), for tests and smoke runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--generations", type=int, default=None, help="sequences generated at once (default 8; "
+                        "tiny: 2)")
+    parser.add_argument("--compile", action="store_true", help="generate as the generation section's compiled "
+                        "setting does (static cache, torch.compile; vlmexp.generation)")
+    parser.add_argument("--generate-only", action="store_true", help="time generation alone (64 sequences' update "
+                        "in one batch would not fit)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     G, new_tokens, side = (2, 16, 56) if args.tiny else (8, 256, 448)
+    G = args.generations or G
+    from vlmexp.generation import Settings, generation_config_kwargs
+
+    compiled = generation_config_kwargs(Settings(True, "static", 64), device.type) if args.compile else {}
     from vlmexp.tiny import SHAPES, TinySpec
 
     model, processor = build(TinySpec() if args.tiny else SHAPES["qwen2.5-vl-3b"], device, dtype)
@@ -98,9 +108,12 @@ def main() -> None:
         t = time.perf_counter()
         with torch.no_grad():  # not inference_mode: the sequences feed the update's autograd graph
             seqs = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                                  suppress_tokens=eos, pad_token_id=tokenizer.pad_token_id)
+                                  suppress_tokens=eos, pad_token_id=tokenizer.pad_token_id, **compiled)
         sync(device)
         gen = time.perf_counter() - t
+        if args.generate_only:
+            phases["generation_s"].append(gen)
+            continue
         batch = {k: inputs[k].clone() for k in ("pixel_values", "image_grid_thw")}  # per-token inputs cover the prompt only
         mask = torch.ones_like(seqs)
         t = time.perf_counter()
@@ -120,22 +133,23 @@ def main() -> None:
         update = time.perf_counter() - t
         for key, value in (("generation_s", gen), ("logprob_pass_s", logprob), ("update_s", update)):
             phases[key].append(value)
-    for v in phases.values():
-        del v[0]
+    phases = {k: v[1:] for k, v in phases.items() if v}
     tokens = G * seqs.shape[1]
     peak = matmul_peak(device, dtype, 8192 if device.type == "cuda" else 1024)
     med = {k: statistics.median(v) for k, v in phases.items()}
+    rate = lambda key, flops: flops / med[key] if key in med else None  # absent with --generate-only
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "shape": "tiny" if args.tiny else "qwen2.5-vl-3b",
-        "lm_parameters": lm_params, "G": G, "new_tokens": new_tokens, "image": f"{side}x{side}",
+        "lm_parameters": lm_params, "G": G, "new_tokens": new_tokens, "compiled_generation": args.compile,
+        "image": f"{side}x{side}",
         "sequence_tokens": int(seqs.shape[1]), "repeats": args.repeats,
         "phases_s": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in phases.items()},
         "generation_tokens_per_s": G * new_tokens / med["generation_s"],
-        "update_tokens_per_s": tokens / med["update_s"],
+        "update_tokens_per_s": rate("update_s", tokens),
         "matmul_peak_tflops": peak / 1e12,
-        "update_mfu": 6 * lm_params * tokens / med["update_s"] / peak,
-        "logprob_pass_mfu": 2 * lm_params * tokens / med["logprob_pass_s"] / peak,
+        "update_mfu": rate("update_s", 6 * lm_params * tokens / peak),
+        "logprob_pass_mfu": rate("logprob_pass_s", 2 * lm_params * tokens / peak),
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
     text_out = json.dumps(result, indent=2)

@@ -95,6 +95,10 @@ GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "dpo", "grpo") fo
              for ckpt in ("on", "off")}
 GPU_CASES |= {"autoprocessor", "grpo-mixed-sizes-lora64", "gpu_grpo_phases", "deepspeed-zero2-sft",
               "deepspeed-zero3-sft", "deepspeed-zero2-sft-lora64", "demo"}
+SPEED_CASES = {"grpo-full-ckpton-eager", "grpo64-full-ckpton-eager", "grpo64-full-ckpton", "grpo64-full-ckpton-profile",
+               "grpo64-full-ckptoff", "grpo64-full-ckpton-torch-compile", "raw-generate-compiled-8",
+               "raw-generate-compiled-64", "grpo-mixed-sizes-lora64-eager", "demo-eager"}
+GPU_CASES |= SPEED_CASES
 
 
 def test_gpu_harness_dry_run_plans_every_case(tmp_path):
@@ -110,6 +114,21 @@ def test_gpu_harness_dry_run_plans_every_case(tmp_path):
     assert result["environment"]["packages"]["transformers"] and "device" in result["environment"]
     lora = result["cases"]["grpo-lora64-ckptoff"]["overrides"]
     assert any("r: 64" in o for o in lora) and "grpo.args.activation_checkpointing=false" in lora
+    cases = result["cases"]
+    assert cases["grpo-full-ckpton-eager"]["overrides"] == [*cases["grpo-full-ckpton"]["overrides"],
+                                                            "generation.compile=off"]
+    assert "grpo.args.steps_per_generation=8" in cases["grpo64-full-ckpton"]["overrides"]
+    assert cases["grpo64-full-ckpton-profile"]["profile_step"] == 2
+    suites = {}
+    for suite in ("speed-a", "speed-b"):
+        r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(tmp_path / suite), "--dry-run", "--suite",
+                            suite], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        planned = json.loads((tmp_path / suite / "results.json").read_text())["cases"]
+        suites[suite] = {n for n, c in planned.items() if c["status"] == "planned"}
+    # the two speed calls measure every speed case and the compiled defaults they are compared with
+    assert suites["speed-a"] | suites["speed-b"] == SPEED_CASES | {"grpo-full-ckpton", "grpo-mixed-sizes-lora64",
+                                                                   "demo"}
 
 
 @pytest.mark.slow
@@ -144,6 +163,24 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path)
     assert dpo["figures"]["steps"] == 3 and dpo["figures"]["peft"] is None and dpo["figures"]["tokens_per_s"] > 0
     assert mixed["figures"]["steps"] == 3 and 0 < mixed["figures"]["guard_s"] < mixed["figures"]["step_s"]
     assert mixed["figures"]["generated_tokens_per_step"] == 8 * 2 * 4  # 8 prompts x G 2 x 4 new tokens
+
+
+@pytest.mark.slow
+def test_gpu_harness_tiny_speed_cases(tmp_path):
+    """The speed cases at the tiny shape on CPU: 64-completion GRPO with its profiler trace in the results folder,
+    the eager mixed-sizes case, and raw compiled generate (compiled on CPU, as on a GPU)."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work", str(tmp_path / "work"),
+                        "--only", "grpo64-full-ckpton-profile,raw-generate-compiled-8"],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cases = json.loads((out / "results.json").read_text())["cases"]
+    profiled, raw = cases["grpo64-full-ckpton-profile"], cases["raw-generate-compiled-8"]
+    assert profiled["status"] == raw["status"] == "ok", (profiled.get("log_tail"), raw.get("log_tail"))
+    trace = out / "traces" / "grpo64-full-ckpton-profile"
+    assert (trace / "trace.json.gz").stat().st_size > 1000 and "Self CPU" in (trace / "ops.txt").read_text()
+    assert profiled["figures"]["steps"] == 3 and profiled["record"]["completions_per_step"] == 2 * 8
+    assert raw["record"]["compiled_generation"] is True and raw["record"]["generation_tokens_per_s"] > 0
 
 
 @pytest.mark.slow

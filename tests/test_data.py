@@ -100,7 +100,7 @@ def test_data_yaml_mixture_manifest_and_seed(tmp_path, imgs):
     assert all(len(s["sha256"]) == 64 for s in manifest["sources"])
     again = sample_sources(sources, tmp_path / "o2.jsonl", seed=3)
     other = sample_sources(sources, tmp_path / "o3.jsonl", seed=4)
-    problems = lambda r: [x.problem for x in _read(r.path)]  # noqa: E731
+    problems = lambda r: [x.problem for x in _read(r.path)]
     assert problems(res) == problems(again) and problems(res) != problems(other)
     assert problems(res)[-6:] == [f"q{i}" for i in range(24, 30)]
 
@@ -357,8 +357,8 @@ def test_a_stage_process_samples_again_when_the_sampled_layout_changed(tmp_path,
 def test_prompts_carry_the_history_and_images_open_the_first_user_turn():
     from vlmexp.config import DataConfig
     from vlmexp.data.record import SampledRecord
-    from vlmexp.evaluate import with_image_parts
     from vlmexp.families import get_family
+    from vlmexp.generation import with_image_parts
     from vlmexp.prompts import build_prompt
 
     record = SampledRecord(task="exact", method="default", problem="And now?", solution="b", images=["x.png"],

@@ -29,6 +29,7 @@ from vlmexp.config_stages import (
     DPOStageConfig,
     EvalConfig,
     ExportConfig,
+    GenerationConfig,
     GRPOStageConfig,
     SFTStageConfig,
 )
@@ -360,6 +361,8 @@ class Config(Section):
     dpo: DPOStageConfig = Field(default_factory=DPOStageConfig, description="Direct preference optimisation.")
     grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig, description="GRPO with the configured rewards.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the held-out records.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="How every stage generates: "
+                                         "compilation, key/value cache, prompt-length buckets.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Export and registry promotion.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How training processes start.")

@@ -238,3 +238,35 @@ class ExportConfig(Section):
         if v not in METRIC_KEYS:
             raise ValueError(f"evaluation produces no metric {v!r}; use one of {', '.join(METRIC_KEYS)}")
         return v
+
+
+class GenerationConfig(Section):
+    """How every stage that generates text generates it (GRPO's rollouts through TRL, DPO's sampling, the difficulty
+    filter, validation during training and evaluation): one code path, `vlmexp.generation`. A compiled decoder runs
+    each token step as one graph (a static key/value cache holds fixed-size tensors); it is compiled once per batch
+    size and prompt-length bucket, so prompts are left-padded up to a multiple of `prompt_bucket` tokens."""
+
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Compile the decoding step with torch.compile. auto: on where CUDA is, off on CPU (on "
+        "2 CPU cores the tiny model's compiled generation was slower, bench/RESULTS.md); on: also on CPU (needs a "
+        "C++ compiler); off: eager, as transformers generates by default.")
+    cache: Literal["auto", "static", "dynamic"] = Field(
+        "auto", description="The key/value cache: static (preallocated, what compilation needs) or dynamic (grows "
+        "per token). auto: static when compiled, dynamic otherwise (static without compile is slower). The static "
+        "cache holds keys and values in the precision the model runs in (bf16 under bf16 autocast).")
+    prompt_bucket: PositiveInt | None = Field(
+        None, description="Left-pad each generation batch's prompts to a multiple of this many tokens, so a compiled "
+        "decoder compiles once per bucket rather than per prompt length (padding never changes a completion: it is "
+        "masked). Default: 64 when compiled, 1 (no padding beyond the batch's longest prompt) otherwise.")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML 1.1 reads on/off as booleans
+
+    @model_validator(mode="after")
+    def _compile_needs_static(self) -> GenerationConfig:
+        if self.compile == "on" and self.cache == "dynamic":
+            raise ValueError("compile: on needs a static cache (a dynamic cache changes shape every token, so "
+                             "transformers does not compile with it); set cache: static or auto, or compile: off")
+        return self

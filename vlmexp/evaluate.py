@@ -191,49 +191,13 @@ class EvalResult:
     samples_path: Path
 
 
-def generate(model, processor, family, prompts: list[list[dict]], images: list[list], max_new_tokens: int,
-             temperature: float, batch_size: int) -> list[str]:
-    """Completions for chat prompts with their images, batched with left padding; the family's vision tokens
-    are never generated."""
-    import torch
-
-    from vlmexp.modeling import vision_token_ids
-
-    tokenizer = processor.tokenizer
-    tokenizer.padding_side = "left"
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        batch_prompts, batch_images = prompts[start:start + batch_size], images[start:start + batch_size]
-        texts = []
-        for messages, imgs in zip(batch_prompts, batch_images, strict=True):
-            texts.append(processor.apply_chat_template(with_image_parts(messages, len(imgs)), tokenize=False,
-                                                       add_generation_prompt=True))
-        inputs = processor(text=texts, images=[im for imgs in batch_images for im in imgs] or None,
-                           padding=True, return_tensors="pt").to(model.device)
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with torch.inference_mode():
-            generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                       suppress_tokens=vision_token_ids(processor, family), **sampling)
-        new_tokens = generated[:, inputs["input_ids"].shape[1]:]
-        out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    return out
-
-
-def with_image_parts(messages: list[dict], images: int) -> list[dict]:
-    """`messages` with one image part per image at the start of the first user turn, where TRL's
-    `prepare_multimodal_messages` puts them in training (trl/data_utils.py)."""
-    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    user = messages[first]
-    content = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": user["content"]}]
-    return [*messages[:first], {**user, "content": content}, *messages[first + 1:]]
-
-
 def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: str | Path) -> EvalResult:
     """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
     from transformers import set_seed
 
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
+    from vlmexp.generation import Generator
     from vlmexp.modeling import load_for_inference
     from vlmexp.processor import prefills_think
     from vlmexp.prompts import build_prompt, load_images
@@ -244,12 +208,15 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
         records = records[: cfg.eval.max_samples]
     model, processor, family = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
-    completions = generate(model, processor, family, prompts, [load_images(r.images) for r in records],
-                           cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.batch_size)
+    generator = Generator.for_config(cfg, model, processor, family)
+    completions = generator(prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
+                            cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
                                   cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader)
     for row, prompt in zip(rows, prompts, strict=True):
         row["prompt"] = prompt[-1]["content"]
+    if generator.settings.compile:  # logged with the evaluation's metrics (eval run: <model>/generation/...)
+        metrics.update(generator.count.metrics())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))

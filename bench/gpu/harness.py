@@ -59,18 +59,51 @@ def mixed_size_case(s: dict) -> dict:
         f"grpo.args.generation_kwargs={{min_new_tokens: {s['new_tokens'] // 2}}}"]}
 
 
+EAGER = ["generation.compile=off"]  # generation as before the generation section: eager, dynamic cache
+# 64 completions a step (8 prompts x 8), generated in one call and trained as 8 micro-batches of 8 (on-policy)
+SIXTY_FOUR = ["grpo.args.gradient_accumulation_steps=8", "grpo.args.steps_per_generation=8"]
+
+
+def speed_cases() -> dict[str, dict]:
+    """Generation and update speed: each figure before (generation.compile=off, what the pipeline did before the
+    generation section) and after (the default on CUDA: compiled, static cache, prompt buckets), same call."""
+    grpo = stage_cases()["grpo-full-ckpton"]
+    with_args = lambda *extra: {**grpo, "overrides": [*grpo["overrides"], *extra]}
+    return {"grpo-full-ckpton-eager": with_args(*EAGER),
+            "grpo64-full-ckpton-eager": with_args(*SIXTY_FOUR, *EAGER), "grpo64-full-ckpton": with_args(*SIXTY_FOUR),
+            # the update's time at 64 completions: a torch.profiler trace of the second step into OUT_DIR/traces
+            "grpo64-full-ckpton-profile": {**with_args(*SIXTY_FOUR), "profile_step": 2},
+            # lean-update trials: activation checkpointing off (memory allowing), the model compiled for training
+            "grpo64-full-ckptoff": with_args(*SIXTY_FOUR, "grpo.args.activation_checkpointing=false"),
+            "grpo64-full-ckpton-torch-compile": with_args(*SIXTY_FOUR, "grpo.args.torch_compile=true"),
+            # raw `generate` at the same shape, compiled (static cache): what generation through TRL is held to
+            "raw-generate-compiled-8": {"kind": "gpu_grpo", "args": ["--generations", "8", "--compile"]},
+            "raw-generate-compiled-64": {"kind": "gpu_grpo", "args": ["--generations", "64", "--compile",
+                                                                              "--generate-only"]}}
+
+
 def all_cases(tiny: bool = False) -> dict[str, dict]:
     zero = {z: {"kind": "deepspeed", "stage": "sft", "overrides": [
         "launch.deepspeed=" + str(REPO / f"configs/deepspeed/{z}.json"), "sft.args.max_steps=2"]}
         for z in ("zero2", "zero3")}
-    return {**stage_cases(), "autoprocessor": {"kind": "autoprocessor"},
-            "grpo-mixed-sizes-lora64": mixed_size_case(shape(tiny)), "gpu_grpo_phases": {"kind": "gpu_grpo"},
+    mixed = mixed_size_case(shape(tiny))
+    return {**stage_cases(), **speed_cases(), "autoprocessor": {"kind": "autoprocessor"},
+            "grpo-mixed-sizes-lora64": mixed,
+            "grpo-mixed-sizes-lora64-eager": {**mixed, "overrides": [*mixed["overrides"], *EAGER]},
+            "gpu_grpo_phases": {"kind": "gpu_grpo"},
             "deepspeed-zero2-sft": zero["zero2"], "deepspeed-zero3-sft": zero["zero3"],
             # ZeRO-2 on one GPU partitions nothing: full fine-tuning's fp32 master weights and Adam states
             # (16 bytes a parameter) do not fit 80 GB at 3.75 B; with LoRA they are the adapters' only
             "deepspeed-zero2-sft-lora64": {**zero["zero2"], "overrides": [*zero["zero2"]["overrides"],
                                                                         LORA[0].format(stage="sft")]},
-            "demo": {"kind": "demo"}}
+            "demo": {"kind": "demo"}, "demo-eager": {"kind": "demo", "overrides": EAGER}}
+
+
+# the speed targets in two device calls of under 10 minutes each (bench/gpu/README.md)
+SUITES = {"speed-a": ["grpo-full-ckpton-eager", "grpo-full-ckpton", "raw-generate-compiled-8", "raw-generate-compiled-64",
+                      "grpo64-full-ckpton-eager", "grpo64-full-ckpton"],
+          "speed-b": ["grpo64-full-ckpton-profile", "grpo-mixed-sizes-lora64-eager", "grpo-mixed-sizes-lora64",
+                      "demo-eager", "demo", "grpo64-full-ckptoff", "grpo64-full-ckpton-torch-compile"]}
 
 
 def shape(tiny: bool) -> dict:
@@ -157,6 +190,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (what CI runs)")
     parser.add_argument("--dry-run", action="store_true", help="write the plan and environment, train nothing")
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--suite", choices=sorted(SUITES), default=None,
+                        help="a named list of cases (--only's alternative): " + "; ".join(
+                            f"{k}: {', '.join(v)}" for k, v in SUITES.items()))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after this many seconds")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--hide", default="mlflow,prefect",
@@ -166,7 +202,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = all_cases(args.tiny)
-    wanted = [c for c in args.only.split(",") if c] or list(cases)
+    wanted = [c for c in args.only.split(",") if c] or SUITES.get(args.suite) or list(cases)
     unknown = sorted(set(wanted) - set(cases))
     if unknown:
         parser.error(f"--only: unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}")
@@ -189,7 +225,7 @@ def main() -> None:
             results["cases"][name]["status"] = "skipped: time budget spent"
             continue
         result = run_case(name, cases[name], config=config, work=work, tiny=args.tiny, timeout=left,
-                          hide=args.hide)
+                          hide=args.hide, out=out)
         results["cases"][name].update(summarise(result, s["G"], results["matmul_peak_tflops"]))
         save()
     results["wall_s"] = time.perf_counter() - start

@@ -49,8 +49,10 @@ def deepspeed_env(work: Path, timeout: float) -> tuple[dict | None, str]:
     return {**single, "PYTHONPATH": path}, f"installed from {sdists[-1].name}"
 
 
-def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeout: float, hide: str = "") -> dict:
-    """Run one case; return {'status': ..., and the raw record of what it measured}."""
+def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeout: float, hide: str = "",
+             out: Path | None = None) -> dict:
+    """Run one case; return {'status': ..., and the raw record of what it measured}. A case with `profile_step`
+    leaves its torch.profiler trace and operator table in `out`/traces/<case>/."""
     log, record = work / "logs" / f"{name}.log", work / "records" / f"{name}.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     env = None
@@ -66,11 +68,11 @@ def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeou
         demo_dir = work / "demo"
         cmd = [sys.executable, str(REPO / "bench" / "demo_matrix.py"), "--seeds", "42", "--arithmetic", "avx2",
                "--out-dir", str(demo_dir), *(["data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=2",
-                                             "grpo.args.max_steps=1"] if tiny else [])]
+                                             "grpo.args.max_steps=1"] if tiny else []), *case.get("overrides", [])]
         record = demo_dir / "seed42-avx2.json"
     elif case["kind"] == "gpu_grpo":
         cmd = [sys.executable, str(REPO / "bench" / "gpu_grpo.py"), "--repeats", "2", "--out", str(record),
-               *(["--tiny"] if tiny else [])]
+               *(["--tiny"] if tiny else []), *case.get("args", [])]
     else:
         if case["kind"] == "deepspeed":
             env, how = deepspeed_env(work, timeout)
@@ -78,6 +80,8 @@ def run_case(name: str, case: dict, config: Path, work: Path, tiny: bool, timeou
                 return {"status": how}
         cmd = [sys.executable, str(HERE / "stage.py"), case["stage"], str(config), str(record), *case["overrides"],
                f"run.output_dir={work / 'runs' / name}", "--hide", hide]
+        if case.get("profile_step"):
+            cmd += ["--profile-step", str(case["profile_step"]), "--trace-dir", str((out or work) / "traces" / name)]
     result = run_logged(cmd, log, timeout, env)
     runs = work / "runs" / name
     if runs.is_dir():  # the case's saved model (7.5 GB at the 3B shape, full): the record has what it measured
@@ -106,7 +110,10 @@ def stage_figures(rec: dict, peak_tflops: float, generations: int) -> dict:
     med = {key: median_after_warmup([s.get(key, 0.0) for s in steps])
            for key in ("step_s", "generation_s", "generate_and_score_s", "logprob_pass_s")}
     tokens = median_after_warmup(per_step_tokens(rec["logs"]))
+    compiled = [log for log in rec["logs"] if "generation/compilations" in log]
     out = {"steps": len(steps), "step_s": med["step_s"], "tokens_per_step": tokens,
+           "compilations": compiled[-1]["generation/compilations"] if compiled else None,
+           "unexplained_compilations": compiled[-1]["generation/unexplained_compilations"] if compiled else None,
            "peak_gpu_memory_gib": max((s["peak_gpu_memory_gib"] for s in steps if "peak_gpu_memory_gib" in s),
                                       default=None),
            "trainable_parameters": rec["trainable_parameters"], "lm_parameters": rec["lm_parameters"],

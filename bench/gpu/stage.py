@@ -10,6 +10,7 @@ that `tracking.backend: none` trains without mlflow and prefect that way).
 timed) with `StepRecorder` among the trainer's callbacks, and writes what it saw to RECORD.json:
 per optimizer step its wall time, GRPO's generation / log-prob / update split and the seconds its pairing
 guard took, the tokens TRL counted, peak GPU memory; and which of mlflow / prefect the run imported.
+`--profile-step N --trace-dir DIR` (GRPO) records a torch.profiler trace of optimizer step N into DIR.
 """
 
 from __future__ import annotations
@@ -70,6 +71,44 @@ class StepRecorder(TrainerCallback):
                                                          if isinstance(v, (int, float))}})
 
 
+class StepProfile(TrainerCallback):
+    """A torch.profiler trace of one optimizer step (CPU and CUDA activity, with shapes): trace.json.gz (open
+    in Perfetto or chrome://tracing) and ops.txt, the operators by total CUDA (else CPU) time, in `folder`."""
+
+    def __init__(self, step: int, folder: Path):
+        self.step, self.folder, self.profiler = step, folder, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if state.global_step + 1 == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import gzip
+        import shutil
+
+        import torch
+
+        if self.profiler is None or state.global_step != self.step:
+            return
+        sync()
+        self.profiler.__exit__(None, None, None)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        raw = self.folder / "trace.json"
+        self.profiler.export_chrome_trace(str(raw))
+        with raw.open("rb") as f, gzip.open(self.folder / "trace.json.gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+        raw.unlink()
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        (self.folder / "ops.txt").write_text(self.profiler.key_averages().table(sort_by=key, row_limit=60))
+        self.profiler = None
+
+
 def timed(recorder: StepRecorder, phase, method):
     """Wrap a bound method so each call's synchronised wall time is added to `phase(args)`'s total."""
 
@@ -117,6 +156,8 @@ def main() -> None:
     parser.add_argument("record")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--hide", default="", help="comma-separated packages to make unimportable")
+    parser.add_argument("--profile-step", type=int, default=0, help="GRPO: trace this optimizer step (1-based)")
+    parser.add_argument("--trace-dir", default=None, help="where --profile-step writes its trace")
     args = parser.parse_args()
     for name in filter(None, args.hide.split(",")):
         sys.modules[name] = None  # type: ignore[assignment]  # import fails, find_spec says absent
@@ -137,10 +178,12 @@ def main() -> None:
     elif stage == "dpo":
         final = run_dpo(cfg, callbacks=[recorder])
     else:
-        trainer, inputs, rows = build_grpo_trainer(cfg, None, [recorder])
+        profile = [StepProfile(args.profile_step, Path(args.trace_dir))] if args.profile_step else []
+        trainer, inputs, rows = build_grpo_trainer(cfg, None, [recorder, *profile])
         instrument_grpo(trainer, recorder)
         final = train_and_save(trainer, inputs, rows)
         result["completions_per_step"] = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+        result["trace_dir"] = args.trace_dir if args.profile_step else None
     result.update(recorder.model_info, final=str(final), steps=recorder.steps, logs=recorder.logs,
                   peak_memory=json.loads((Path(final).parent / "peak_memory.json").read_text()),
                   imported={m: sys.modules.get(m) is not None for m in ("mlflow", "prefect", "torchvision", "deepspeed")})

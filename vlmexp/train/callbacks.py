@@ -72,3 +72,21 @@ class CompletionTable(TrainerCallback):
             logging.getLogger("vlmexp.train").warning(
                 "step %d: completion table not logged, MLflow store unreachable (%s); training goes on",
                 state.global_step, str(e).splitlines()[0][:300])
+
+
+class CompileCountLog(TrainerCallback):
+    """GRPO's generation compilations (`vlmexp.generation.CompileCount`): with compiled generation, added to every
+    log (so MLflow and trainer_state.json carry generation/compilations per logging step); at the end, whether
+    compiled or not, logged to the stage's MLflow run when there is one."""
+
+    def __init__(self, count, compiled: bool, run=None):
+        self.count, self.compiled, self.run = count, compiled, run
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.compiled:
+            logs.update(self.count.metrics())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from vlmexp.generation import log_compile_count
+
+        log_compile_count(self.count, self.run, state.global_step)

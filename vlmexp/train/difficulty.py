@@ -12,7 +12,7 @@ lists (prompt and completion ids and masks, pixel values per image grid, old and
 that `_prepare_inputs` then shuffles and splits. Dropping groups and refilling the batch online means
 concatenating such batches across calls, re-padding each tensor and keeping every rank's choices the same:
 re-implementing TRL internals that change between versions. The offline filter instead samples before training,
-with the start model and the same reward objects (DPO's sampling, `vlmexp.train.dpo.sample_and_score`), keeps
+with the start model and the same reward objects (`vlmexp.generation.sample_and_score`, which DPO's pairs also sample through), keeps
 the prompts solved sometimes but not always, and hands GRPO the kept records; TRL trains unchanged. What it
 cannot do is follow the policy: a prompt that becomes too easy during training stays in (its groups then show
 as frac_reward_zero_std, which TRL keeps logging).
@@ -74,8 +74,8 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     """Sample, judge each prompt's group, write the counts and the kept rows; refuse when none is kept."""
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
+    from vlmexp.generation import log_compile_count, sample_and_score
     from vlmexp.processor import prefills_think
-    from vlmexp.train.dpo import sample_and_score
 
     cfg, opts = inputs.cfg, inputs.cfg.grpo.difficulty_filter
     start = time.monotonic()
@@ -84,8 +84,10 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
                if opts.reward in ("overall", r.name)]
     temperature = opts.temperature or args.temperature
     max_new_tokens = opts.max_new_tokens or args.max_completion_length
-    _, groups = sample_and_score(inputs, records, rewards, opts.num_samples, temperature, max_new_tokens,
-                                 opts.batch_size, prefills_think(inputs.processor))
+    _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records, rewards,
+                                           opts.num_samples, temperature, max_new_tokens, opts.batch_size,
+                                           prefills_think(inputs.processor))
+    log_compile_count(compiled, inputs.run)
     verdicts = [verdict(scores, opts) for _, scores in groups]
     counts = {v: verdicts.count(v) for v in ("kept", "zero_std", "low", "high")}
     summary = {"prompts": len(records), "kept": counts["kept"], "dropped_zero_std": counts["zero_std"],

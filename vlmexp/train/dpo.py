@@ -17,13 +17,10 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vlmexp.config import Config
 from vlmexp.train.stage import StageInputs, load_model, prepare_stage, train_and_save, trl_args
-
-if TYPE_CHECKING:
-    from vlmexp.data.record import SampledRecord
 
 log = logging.getLogger("vlmexp.train")
 PAIRS_FILE, SUMMARY_FILE = "pairs.jsonl", "pairs.json"
@@ -88,12 +85,15 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
+    from vlmexp.generation import log_compile_count, sample_and_score
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
     records = read_sampled(inputs.train_path)
     k = opts.num_samples
-    prompts, groups = sample_and_score(inputs, records, [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards],
-                                       k, opts.temperature, opts.max_new_tokens, opts.batch_size)
+    prompts, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
+                                                 [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards], k,
+                                                 opts.temperature, opts.max_new_tokens, opts.batch_size)
+    log_compile_count(compiled, inputs.run)
     pairs = []
     for i, record in enumerate(records):
         texts, scores = groups[i]
@@ -107,52 +107,6 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     atomic_write(path.with_name(SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
     log.info("dpo pairs from samples: %s", summary)
     return summary
-
-
-def sample_and_score(inputs: StageInputs, records: list[SampledRecord], rewards: list[tuple[str, dict, float]],
-                     k: int, temperature: float, max_new_tokens: int, batch_size: int, prefilled_think: bool = False):
-    """(prompts, [(k completions, their weighted reward sums)] per record): the start model's samples for
-    `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them. The sampling
-    model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through here."""
-    import torch
-
-    from vlmexp.evaluate import generate
-    from vlmexp.modeling import load_for_inference
-    from vlmexp.prompts import build_prompt, load_images
-    from vlmexp.rewards_loader import build_reward
-
-    cfg = inputs.cfg
-    built = [build_reward(name, kwargs, inputs.family.box_frame, inputs.budget, prefilled_think)
-             for name, kwargs, _ in rewards]
-    model, processor, _ = load_for_inference(cfg, inputs.model_path)
-    prompts = [build_prompt(r, cfg.data, inputs.family) for r in records]
-    images = [load_images(r.images) for r in records]
-    completions = generate(model, processor, inputs.family, [p for p in prompts for _ in range(k)],
-                           [im for im in images for _ in range(k)], max_new_tokens, temperature, batch_size)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    weights = [w for _, _, w in rewards]
-    groups = []
-    for i, record in enumerate(records):
-        texts = completions[i * k:(i + 1) * k]
-        groups.append((texts, score_group(built, weights, prompts[i], texts, record)))
-    return prompts, groups
-
-
-def score_group(rewards, weights: list[float], prompt, texts: list[str], record: SampledRecord) -> list[float]:
-    """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards
-    (`reward_columns`). A masked (None) score counts as 0 for that reward."""
-    from vlmexp.data.record import reward_columns
-
-    n = len(texts)
-    columns = {key: [value] * n for key, value in reward_columns(record).items()}
-    completions = [[{"role": "assistant", "content": t}] for t in texts]
-    totals = [0.0] * n
-    for reward, weight in zip(rewards, weights, strict=True):
-        for j, score in enumerate(reward(prompts=[prompt] * n, completions=completions, **columns)):
-            totals[j] += weight * (score or 0.0)
-    return totals
 
 
 def best_vs_worst(texts: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:

@@ -2,7 +2,8 @@
 
 Every `eval.every_steps` optimizer steps, and at the last step, the stage process generates on the first
 `eval.during_training_samples` held-out records and scores them with the end-of-stage evaluation's own code
-(`vlmexp.evaluate.generate` and `score_records`, the reward objects training uses), then logs `val/<metric>` at
+(`vlmexp.generation.Generator`, as the `generation:` section says, and `score_records`, the reward objects
+training uses), then logs `val/<metric>` at
 that step through the Trainer's callbacks, as the Trainer logs its own metrics: into the stage's MLflow run
 (transformers' MLflowCallback) and trainer_state.json's log history. That is EasyR1's `trainer.val_freq`
 (hiyouga/EasyR1 verl/trainer/ray_trainer.py, `_validate`). With `eval.during_training_n` N > 1 each record gets N
@@ -37,6 +38,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmexp.config import Config
+from vlmexp.generation import CompileCount
 
 log = logging.getLogger("vlmexp.train")
 PREFIX = "val/"
@@ -108,6 +110,7 @@ class Validation(TrainerCallback):
     def __init__(self, trainer, cfg: Config, held_out: HeldOut):
         self.trainer, self.cfg, self.held_out = trainer, cfg, held_out
         self.metric, self.maximize = tracked_metric(cfg), cfg.export.direction == "maximize"
+        self.compile_count = CompileCount()  # every validation's generation compilations, in one count
 
     def due(self, state) -> bool:
         return state.global_step % self.cfg.eval.every_steps == 0 or state.global_step == state.max_steps
@@ -135,7 +138,7 @@ class Validation(TrainerCallback):
         as they were (a sampled validation draws from a generator of its own, seeded by run.seed and the step)."""
         import torch
 
-        from vlmexp.evaluate import generate
+        from vlmexp.generation import Generator
 
         ev, held = self.cfg.eval, self.held_out
         n, start = ev.during_training_n, time.perf_counter()
@@ -146,15 +149,18 @@ class Validation(TrainerCallback):
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(self.cfg.run.seed + step)
-                flat = generate(model, self.trainer.processing_class, held.family,
-                                [p for p in held.prompts for _ in range(n)],
-                                [im for im in held.images for _ in range(n)], ev.max_new_tokens,
-                                ev.during_training_temperature, ev.batch_size)
+                generator = Generator.for_config(self.cfg, model, self.trainer.processing_class, held.family,
+                                                 self.compile_count)
+                flat = generator([p for p in held.prompts for _ in range(n)],
+                                 [im for im in held.images for _ in range(n)], ev.max_new_tokens,
+                                 ev.during_training_temperature, ev.batch_size)
         finally:
             tokenizer.padding_side = side
             model.train(was_training)
         logs = validation_metrics([flat[i * n:(i + 1) * n] for i in range(len(held.records))], held.score)
         logs[f"{PREFIX}seconds"] = time.perf_counter() - start
+        if generator.settings.compile:
+            logs.update({f"{PREFIX}{k}": v for k, v in generator.count.metrics().items()})
         log.info("step %d: validation on %d held-out records x %d: %s (%.1f s)", step, len(held.records), n,
                  {k: round(v, 4) for k, v in logs.items()}, logs[f"{PREFIX}seconds"])
         return logs
