@@ -80,7 +80,7 @@ class ChatClient:
             try:
                 response = http.post(url, json=body)
             except httpx.TimeoutException:
-                problem = f"did not answer within {self.timeout:g} s (kwargs.timeout)"
+                problem = f"did not answer within {self.timeout:g} s"
                 continue
             except httpx.TransportError as e:
                 problem = f"could not be reached ({e.__class__.__name__}: {e})"

@@ -1,0 +1,256 @@
+"""Rewards computed by a model: a tiny sequence-classification reward model built offline, and a judge asked over a
+real OpenAI-compatible HTTP server on 127.0.0.1 (tests/judge_server.py): scores, cost metrics, unreadable answers
+counted, a judge that times out or is down stopped with a clear error, never a hang."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from judge_server import JudgeServer
+
+from vlmexp.model_rewards.base import ModelRewardError
+from vlmexp.model_rewards.judge import parse_score
+from vlmexp.rewards import RewardError
+from vlmexp.rewards_loader import build_reward
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Hooks:
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name, value):
+        self.metrics.setdefault(name, []).append(value)
+
+    def log_extra(self, column, values):
+        self.extra.setdefault(column, []).extend(values)
+
+
+def judge(server: JudgeServer, model: str = "grader", **kwargs):
+    return build_reward("judge", {"model": model, "endpoint": server.url, "retries": 0, "timeout": 10, **kwargs},
+                        "pixels", None)
+
+
+def ask(reward, completions, solutions, hooks=None, **columns):
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(completions))]
+    extra = {"log_metric": hooks.log_metric, "log_extra": hooks.log_extra} if hooks else {}
+    return reward(prompts=prompts, completions=[[{"role": "assistant", "content": c}] for c in completions],
+                  solution=solutions, **columns, **extra)
+
+
+def test_the_score_is_one_number_in_range_or_unreadable():
+    assert parse_score(" 7\n", 0, 10) == 7.0 and parse_score("0.5", 0, 1) == 0.5 and parse_score("+.25", 0, 1) == 0.25
+    for reply, reason in [("7/10", "not_a_number"), ("Score: 7", "not_a_number"), ("", "not_a_number"),
+                          ("seven", "not_a_number"), ("7 8", "not_a_number"), ("11", "out_of_range"),
+                          ("-1", "out_of_range"), ("nan", "not_a_number")]:
+        found = parse_score(reply, 0, 10)
+        assert (found.reason, found.said) == (reason, reply), reply
+
+
+def test_judge_scores_over_the_endpoint_with_its_cost():
+    hooks = Hooks()
+    with JudgeServer() as server:
+        scores = ask(judge(server), ["<think>x</think><answer>a cat</answer>", "<answer>dog</answer>", "", "abcdefg"],
+                     ["<answer>a cat</answer>", "cat", "cat", "cat"], hooks, image_path=["", "", "", ""])
+        bodies = [r["body"] for r in server.requests]
+    # the grader's rule: 10 for the reference's words, else len(answer) % 10; mapped from [0, 10] to [0, 1]
+    assert scores == [1.0, 0.3, 0.0, 0.7]
+    assert len(bodies) == 3  # the empty answer gets the lowest score without a call
+    prompt = bodies[0]["messages"][-1]["content"]
+    assert "Question: question 0" in prompt and "Reference answer: a cat\nAnswer to grade: a cat" in prompt
+    assert bodies[0]["model"] == "grader" and bodies[0]["temperature"] == 0.0
+    assert hooks.metrics["rewards/judge/calls"] == [3.0] and 0 < hooks.metrics["rewards/judge/seconds"][0] < 10
+    assert hooks.metrics["rewards/judge/unparsable/not_a_number"] == [0.0]
+    assert hooks.extra["judge/unparsable"] == [None] * 4
+
+
+def test_judge_sends_the_image_and_the_key_it_is_told_and_never_shows_the_key(tmp_path, monkeypatch):
+    from conftest import make_png
+
+    image = make_png(tmp_path / "a.png")
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-secret-123")
+    with JudgeServer() as server:
+        reward = judge(server, images=True, api_key_env="JUDGE_TEST_KEY", normalise=False)
+        assert ask(reward, ["<answer>cat</answer>"], ["cat"], image_path=[str(image)]) == [10.0]
+        [request] = server.requests
+    assert request["headers"]["Authorization"] == "Bearer sk-secret-123"
+    [picture, text] = request["body"]["messages"][-1]["content"]
+    assert picture["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+    assert text["type"] == "text" and "Answer to grade: cat" in text["text"]
+    assert "sk-secret" not in repr(reward) and "sk-secret" not in repr(reward.fn)
+    monkeypatch.delenv("JUDGE_TEST_KEY")
+    with JudgeServer() as server, pytest.raises(ModelRewardError, match="JUDGE_TEST_KEY .* is not set"):
+        ask(judge(server, api_key_env="JUDGE_TEST_KEY"), ["<answer>cat</answer>"], ["cat"])
+
+
+def test_unreadable_answers_are_masked_and_counted_and_too_many_stop_quoting_the_judge():
+    hooks = Hooks()
+    with JudgeServer() as server:
+        scores = ask(judge(server, "chatty", max_unparsable=1.0), ["a", "b"], ["x", "y"], hooks)
+        assert scores == [None, None]  # masked, not 0
+        assert hooks.metrics["rewards/judge/unparsable/not_a_number"] == [2.0]
+        assert hooks.extra["judge/unparsable"] == ["not_a_number", "not_a_number"]
+        with pytest.raises(RewardError) as caught:  # through the guarded wrapper, unchanged
+            ask(judge(server, "chatty"), ["a", "b", "c"], ["x", "y", "z"])
+    message = str(caught.value)
+    assert isinstance(caught.value, ModelRewardError)
+    assert "3 of 3 answers" in message and "'I would give it 7 out of 10.'" in message and "max_unparsable" in message
+
+
+def test_a_judge_that_times_out_or_is_down_stops_with_a_clear_error_in_bounded_time():
+    with JudgeServer() as server:
+        start = time.monotonic()
+        with pytest.raises(ModelRewardError, match=r"did not answer within 0.3 s \(2 tries\).*raise kwargs.timeout"):
+            ask(judge(server, "slow", timeout=0.3, retries=1, backoff=0.05), ["a"], ["x"])
+        assert time.monotonic() - start < 3
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = build_reward("judge", {"model": "m", "endpoint": f"http://127.0.0.1:{port}/v1", "retries": 2,
+                                  "backoff": 0.05, "timeout": 2}, "pixels", None)
+    start = time.monotonic()
+    with pytest.raises(ModelRewardError, match=rf"127.0.0.1:{port}/v1/chat/completions could not be reached "
+                                               r"\(ConnectError.*\(3 tries\); start the server there"):
+        ask(down, ["a"], ["x"])
+    assert time.monotonic() - start < 3
+
+
+def test_a_busy_endpoint_is_retried_with_backoff():
+    hooks = Hooks()
+    with JudgeServer() as server:
+        assert ask(judge(server, "busy", retries=2, backoff=0.05), ["abc", "abcd"], ["x", "y"], hooks) == [0.3, 0.4]
+        assert len(server.requests) == 4
+    assert hooks.metrics["rewards/judge/calls"] == [4.0]
+
+
+def test_judge_with_records_llm_scores_only_vlm_r1_llm_records():
+    with JudgeServer() as server:
+        scores = ask(judge(server, records="llm"), ["abc", "abc"], ["x", "y"], accu_reward_method=["llm", "default"])
+    assert scores == [0.3, None]
+
+
+def test_judge_and_reward_model_kwargs_are_checked_when_the_config_loads(tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+
+    bad = ["grpo.rewards=[{name: judge, kwargs: {model: m, endpoint: 'ftp://x', prompt: '{question}', colour: 1}}, "
+           "{name: judge, kwargs: {model: m, prompt: 'no answer here {question}'}}, "
+           "{name: reward_model, kwargs: {normalise: tanh}}]"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "configs/demo.yaml", bad)
+    text = str(caught.value)
+    assert "unknown kwargs ['colour']; the judge reward takes model, endpoint" in text
+    assert "prompt must contain {completion}" in text
+    assert "path: give the reward model's folder; normalise 'tanh' is not one of none, sigmoid, batch" in text
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> Path:
+    from vlmexp.tiny import make_tiny_reward_model
+
+    return make_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model")
+
+
+def test_reward_model_scores_as_trl_does_batched_in_eval_mode(reward_model):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from vlmexp.model_rewards.reward_model import loaded
+
+    prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find the red square."}]] * 3
+    completions = ["<answer>[1, 2, 3, 4]</answer>", "no idea", "a much longer answer with many words in it"]
+    hooks = Hooks()
+    reward = build_reward("reward_model", {"path": str(reward_model), "batch_size": 2}, "pixels", None)
+    scores = reward(prompts=prompts, completions=[[{"role": "assistant", "content": c}] for c in completions],
+                    log_metric=hooks.log_metric)
+    # by hand, as TRL's GRPOTrainer scores with a model in reward_funcs: chat template, right padding, first logit
+    tokenizer = AutoTokenizer.from_pretrained(reward_model)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    texts = [tokenizer.apply_chat_template([*p, {"role": "assistant", "content": c}], tokenize=False)
+             for p, c in zip(prompts, completions)]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():
+        expected = model(**inputs).logits[:, 0].tolist()
+    assert scores == pytest.approx(expected, abs=1e-5) and len(set(scores)) == 3
+    assert hooks.metrics["rewards/reward_model/calls"] == [2.0]  # batches of 2
+    one_by_one = build_reward("reward_model", {"path": str(reward_model), "batch_size": 1}, "pixels", None)
+    assert one_by_one(prompts=prompts, completions=completions) == pytest.approx(scores, abs=1e-5)
+    held, _, vision = loaded(str(reward_model), "auto", False)
+    assert held is loaded(str(reward_model), "auto", False)[0] and not held.training and not vision  # once a process
+    squashed = build_reward("reward_model", {"path": str(reward_model), "normalise": "sigmoid"}, "pixels", None)
+    assert all(0 < s < 1 for s in squashed(prompts=prompts, completions=completions))
+
+
+def test_reward_model_folder_that_is_not_one_is_refused(tmp_path):
+    reward = build_reward("reward_model", {"path": str(tmp_path)}, "pixels", None)
+    with pytest.raises(ModelRewardError, match="config.json not found; kwargs.path must be a sequence-classification"):
+        reward(prompts=["q"], completions=["a"])
+
+
+def llm_data(tmp_path: Path) -> Path:
+    """VLM-R1 JSONL with one judged (`llm`) record and one exact one."""
+    from conftest import make_png
+
+    make_png(tmp_path / "a.png")
+    rows = [{"image": "a.png", "conversations": [{"from": "human", "value": "<image>What is shown?"},
+                                                 {"from": "gpt", "value": "a red card"}], "accu_reward_method": "llm"},
+            {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Which colour?"},
+                                                 {"from": "gpt", "value": "red"}], "accu_reward_method": "default"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "d.jsonl"
+
+
+def test_llm_records_are_kept_for_a_judge_and_scored_by_it(tmp_path):
+    from vlmexp.data.record import read_sampled
+    from vlmexp.rewards import ExactReward
+
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({"datasets": [{"json_path": str(llm_data(tmp_path))}]}))
+    run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"), "--judged",
+                          "--out", str(tmp_path / "s.jsonl")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    llm, exact = read_sampled(tmp_path / "s.jsonl")
+    assert (llm.task, llm.method, exact.method) == ("exact", "llm", "default")
+    assert ExactReward()(completions=["a red card", "red"], solution=["a red card", "red"],
+                         accu_reward_method=["llm", "default"]) == [None, 1.0]
+
+
+def test_vlmexp_score_with_a_judge_from_the_config(tmp_path):
+    data = llm_data(tmp_path)
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text("".join(json.dumps({**r, "completion": c}) + "\n"
+                             for r, c in zip(lines, ["<answer>a card</answer>", "<answer>red</answer>"])))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "vlmexp.cli", "score", str(preds), "--family", "qwen2_5_vl"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode != 0 and "scored by a judge model" in refused.stderr + refused.stdout
+    assert "pass --config with that judge" in refused.stderr + refused.stdout
+    with JudgeServer() as server:
+        config = tmp_path / "judge.yaml"
+        config.write_text(yaml.safe_dump({
+            "model": {"path": "tiny:qwen2_5_vl"}, "data": {"demo": {}},
+            "grpo": {"rewards": [{"name": "exact"}, {"name": "judge", "kwargs": {"model": "grader",
+                                                                                 "endpoint": server.url}}]}}))
+        run = subprocess.run([*command, "--config", str(config), "--per-sample", str(tmp_path / "rows.jsonl")],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        questions = [r["body"]["messages"][-1]["content"] for r in server.requests]
+    metrics = json.loads(run.stdout)
+    # the grader: "a card" is not the reference, len 6 -> 0.6; "red" is -> 1.0
+    assert metrics["judge_score"] == pytest.approx(0.8) and metrics["judge_calls"] == 2
+    assert metrics["judge_unparsable"] == 0
+    assert metrics["exact_accuracy"] == pytest.approx(0.8)  # red: 1.0 from the exact reward; the llm record: 0.6
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["score"] for r in rows] == [0.6, 1.0]
+    assert any("Question: What is shown?" in q for q in questions)  # the prompt as training builds it
