@@ -254,3 +254,90 @@ def test_vlmexp_score_with_a_judge_from_the_config(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [r["score"] for r in rows] == [0.6, 1.0]
     assert any("Question: What is shown?" in q for q in questions)  # the prompt as training builds it
+
+
+def _train(tmp_path: Path, stage: str, *overrides: str) -> subprocess.CompletedProcess:
+    """`vlmexp train STAGE` on the demo config in a process of its own, logging to an MLflow store in tmp_path."""
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", stage, "--config", str(REPO / "configs/demo.yaml"),
+                           f"run.output_dir={tmp_path / 'out'}", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
+                           "tracking.system_metrics=false", "data.demo.train=4", "data.demo.val=2", *overrides],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+
+
+def _run_metrics(tmp_path: Path, name: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id], f"attributes.run_name = '{name}'")
+    return client, run
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_a_reward_model_and_a_judge_endpoint_filter_and_validation_included(tmp_path, reward_model):
+    """Two GRPO steps whose rewards are the tiny reward model and the judge over HTTP: the difficulty filter samples
+    with them first, validation scores with them at step 2, and MLflow holds each reward's mean, seconds and calls."""
+    with JudgeServer() as server:
+        rewards = (f"grpo.rewards=[{{name: format, weight: 0.25}}, {{name: reward_model, kwargs: {{path: '{reward_model}'"
+                   f", normalise: sigmoid}}}}, {{name: judge, kwargs: {{model: grader, endpoint: '{server.url}'}}}}]")
+        run = _train(tmp_path, "grpo", rewards, "grpo.args.max_steps=2", "grpo.args.save_steps=2",
+                     "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
+                     "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
+                     "grpo.difficulty_filter.enabled=true", "grpo.difficulty_filter.num_samples=2",
+                     "eval.every_steps=2", "eval.during_training_samples=2", "eval.max_new_tokens=8")
+        asked = len(server.requests)
+    assert run.returncode == 0, run.stderr[-3000:]
+    filtered = json.loads((tmp_path / "out" / "grpo" / "difficulty.json").read_text())
+    assert filtered["prompts"] == 4 and filtered["kept"] >= 1
+    client, found = _run_metrics(tmp_path, "demo-grpo")
+    metrics = found.data.metrics
+    for name in ("judge", "reward_model"):
+        steps = client.get_metric_history(found.info.run_id, f"rewards/{name}/mean")
+        assert [m.step for m in steps] == [1, 2], name
+        assert all(m.value > 0 for m in client.get_metric_history(found.info.run_id, f"rewards/{name}/seconds"))
+        assert [m.value for m in client.get_metric_history(found.info.run_id, f"rewards/{name}/calls")][0] >= 1
+    assert 0 < metrics["rewards/reward_model/mean"] < 1  # sigmoid of the logits
+    assert metrics["rewards/judge/unparsable/not_a_number"] == 0
+    assert "val/judge_score" in metrics and "val/reward_model_score" in metrics
+    # the filter (4 prompts x 2 samples), two steps of 4 completions and validation all asked the judge (empty
+    # answers excepted), so it answered more than the steps' 8 completions
+    assert asked > 8
+
+
+@pytest.mark.slow
+def test_dpo_pairs_from_samples_are_scored_by_the_judge(tmp_path):
+    """DPO's own samples are scored with grpo.rewards: with the judge alone, each pair's scores are the grader's."""
+    with JudgeServer() as server:
+        run = _train(tmp_path, "dpo", "dpo.enabled=true", "dpo.pairs.from=samples", "dpo.pairs.num_samples=3",
+                     "dpo.pairs.max_new_tokens=12", "dpo.pairs.min_margin=0.05", "dpo.args.max_steps=1",
+                     "dpo.args.per_device_train_batch_size=2", "dpo.args.save_steps=1",
+                     f"grpo.rewards=[{{name: judge, kwargs: {{model: grader, endpoint: '{server.url}'}}}}]")
+        assert server.requests
+    assert run.returncode == 0, run.stderr[-3000:]
+    from vlmexp.answers import extract_answer
+
+    pairs = [json.loads(line) for line in (tmp_path / "out" / "dpo" / "pairs.jsonl").read_text().splitlines()]
+    assert pairs
+    for pair in pairs:
+        for side in ("chosen", "rejected"):
+            answer = (extract_answer(pair[side]) or pair[side]).strip()
+            assert pair[f"{side}_score"] == pytest.approx(len(answer) % 10 / 10 if answer else 0.0), pair
+
+
+@pytest.mark.slow
+def test_a_local_judge_model_whose_answers_do_not_parse(tiny_models):
+    """The tiny random VLM as a local judge: loaded once, asked greedily; its words never parse, so they are masked
+    and counted, and with the default max_unparsable they stop the run quoting it."""
+    from vlmexp.model_rewards.judge import local_judge
+
+    folder = str(tiny_models["qwen2_5_vl"])
+    hooks = Hooks()
+    lenient = build_reward("judge", {"model": folder, "max_unparsable": 1.0, "max_tokens": 6}, "pixels", None)
+    assert ask(lenient, ["<answer>a</answer>", "<answer>b</answer>"], ["a", "b"], hooks) == [None, None]
+    assert sum(hooks.metrics["rewards/judge/unparsable/not_a_number"]) == 2
+    assert local_judge(folder, False)[0] is local_judge(folder, False)[0]
+    strict = build_reward("judge", {"model": folder, "max_tokens": 6}, "pixels", None)
+    with pytest.raises(ModelRewardError, match="2 of 2 answers in this batch are not one number in \\[0, 10\\].*the "
+                                               "judge said: '"):
+        ask(strict, ["<answer>a</answer>", "<answer>b</answer>"], ["a", "b"])
