@@ -341,3 +341,39 @@ def test_a_local_judge_model_whose_answers_do_not_parse(tiny_models):
     with pytest.raises(ModelRewardError, match="2 of 2 answers in this batch are not one number in \\[0, 10\\].*the "
                                                "judge said: '"):
         ask(strict, ["<answer>a</answer>", "<answer>b</answer>"], ["a", "b"])
+
+
+def test_the_pipeline_samples_llm_records_only_for_a_config_with_a_judge_and_grpo_checks_again(tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.errors import ConfigError, DataError
+    from vlmexp.train.grpo import check_rewards_score
+
+    data = llm_data(tmp_path)
+    common = [f"run.output_dir={tmp_path / 'out'}", "data.demo=null", f"data.datasets=[{{json_path: '{data}'}}]",
+              "data.val_fraction=0.5"]
+    plain = load_config(REPO / "configs/demo.yaml", [*common, "grpo.rewards=[{name: exact}]"])
+    with pytest.raises(DataError, match=r"d.jsonl:1.*accu_reward_method 'llm' is scored by a judge model"):
+        prepare_data(plain)
+    judged = load_config(REPO / "configs/demo.yaml", [*common, "grpo.rewards=[{name: exact}, {name: judge, kwargs: "
+                                                      "{model: m, endpoint: 'http://127.0.0.1:9/v1'}}]"])
+    prepared = prepare_data(judged)
+    methods = [json.loads(line)["method"] for p in (prepared.train, prepared.val) for line in p.read_text().splitlines()]
+    assert sorted(methods) == ["default", "llm"]
+    check_rewards_score(judged, {"exact"}, {"llm", "default"})
+    with pytest.raises(ConfigError, match="accu_reward_method 'llm' is scored by a judge model"):
+        check_rewards_score(plain, {"exact"}, {"llm", "default"})
+
+
+def test_validation_takes_the_best_sample_when_a_judge_could_not_read_some():
+    from vlmexp.train.validation import validation_metrics
+
+    scores = {"good": 1.0, "bad": 0.0, "unread": None}
+
+    def score(completions):
+        rows = [{"score": scores[c]} for c in completions]
+        found = [r["score"] for r in rows if r["score"] is not None]
+        return {"count": len(rows), "judge_score": sum(found) / max(1, len(found))}, rows
+
+    logs = validation_metrics([["unread", "good"], ["bad", "unread"]], score)
+    assert logs["val/judge_score/best_at_2"] == 0.5 and logs["val/judge_score/mean_at_2"] == 0.5
