@@ -90,10 +90,10 @@ def model_reward_metrics(rewards: Sequence[Any], frame: str, budget: Any, record
     for each model reward among `rewards`; {name: its score or None per record}). A record's `llm` method with
     no judge configured is refused, naming the fix."""
     from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE
-    from vlmexp.rewards import MODEL_REWARDS
+    from vlmexp.model_rewards import MODEL_REGISTRY
     from vlmexp.rewards_loader import build_reward
 
-    models = [r for r in rewards if r.name in MODEL_REWARDS]
+    models = [r for r in rewards if r.name in MODEL_REGISTRY]
     if any(r.method == JUDGED_METHOD for r in records) and "judge" not in [r.name for r in models]:
         from vlmexp.errors import ConfigError, Problem
 

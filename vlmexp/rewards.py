@@ -16,8 +16,8 @@ or None per completion) for the completion table. Scores that are NaN, inf, or a
 are masked (None) and counted the same way as `rewards/<name>/masked/<reason>`. Called without the
 hooks (evaluation, DPO's pair scoring), nothing is reported.
 
-The rewards computed by a model, `judge` and `reward_model`, live in `vlmexp.model_rewards` and are registered
-here too; a `RewardError` they raise about a whole batch (an endpoint down, too many unreadable answers) passes the
+The rewards computed by a model, `judge` and `reward_model`, live in `vlmexp.model_rewards` (registered beside
+these by `vlmexp.rewards_loader`); a `RewardError` they raise about a whole batch (an endpoint down, too many unreadable answers) passes the
 guarded wrapper unchanged.
 """
 
@@ -82,7 +82,6 @@ class Reward:
     name: ClassVar[str] = ""
     tasks: ClassVar[tuple[str, ...]] = ()  # tasks it applies to; () = every task
     reasons: ClassVar[tuple[str, ...]] = ()  # why `score` may find a completion unparsable
-    scores_every_task: ClassVar[bool] = False  # scores the answer of any task (a model reward)
 
     @property
     def __name__(self) -> str:  # TRL names the reward's metrics after __name__
@@ -315,13 +314,13 @@ class DetectionReward(Reward):
 REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
                                                                  GIoUReward, MathReward, ExactReward,
                                                                  DetectionReward)}
-MODEL_REWARDS = ("judge", "reward_model")  # registered by vlmexp.model_rewards (imported at the end of this module)
 
 
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
     """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only the
-    form). A module:function reward may score any task, so with one nothing is reported."""
-    if any(name not in REGISTRY or REGISTRY[name].scores_every_task for name in names):
+    form). A module:function reward or a model reward (judge, reward_model) may score any task, so with one
+    nothing is reported."""
+    if any(name not in REGISTRY for name in names):
         return []
     scored = {task for name in names for task in REGISTRY[name].tasks}
     return sorted(tasks - scored)
@@ -386,13 +385,3 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                 out.append(None)
         return out, masked
 
-
-def _register_model_rewards() -> None:
-    """Add the model rewards (vlmexp.model_rewards: they subclass Reward, so they are imported once it exists)."""
-    from vlmexp.model_rewards.judge import JudgeReward
-    from vlmexp.model_rewards.reward_model import RewardModelReward
-
-    REGISTRY.update({JudgeReward.name: JudgeReward, RewardModelReward.name: RewardModelReward})
-
-
-_register_model_rewards()

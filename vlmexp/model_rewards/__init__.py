@@ -1,6 +1,6 @@
 """Rewards computed by a model: a sequence-classification reward model (`reward_model`) and a generative judge
-(`judge`, a local model folder or an OpenAI-compatible endpoint). Both are registered in `vlmexp.rewards.REGISTRY`,
-so a config's `grpo.rewards` entry builds them through `vlmexp.rewards_loader.build_reward` like any other reward,
+(`judge`, a local model folder or an OpenAI-compatible endpoint). `MODEL_REGISTRY` names them beside the rule-based
+rewards' `vlmexp.rewards.REGISTRY` (`vlmexp.rewards_loader.REWARDS` holds both), so a config's `grpo.rewards` entry builds them through `vlmexp.rewards_loader.build_reward` like any other reward,
 and GRPO, DPO's sample scoring, the difficulty filter, validation, evaluation and `vlmexp score` call them alike.
 
 - `base`: what they share: one batched call per generation batch, the cost (seconds and calls) and the counted
@@ -12,6 +12,7 @@ and GRPO, DPO's sample scoring, the difficulty filter, validation, evaluation an
   requests in flight).
 """
 
-# vlmexp.rewards defines Reward and, at its end, registers the classes of this package; importing it first lets a
-# submodule of this package be imported on its own (its Reward base is then complete).
-import vlmexp.rewards  # noqa: E402,F401
+from vlmexp.model_rewards.judge import JudgeReward
+from vlmexp.model_rewards.reward_model import RewardModelReward
+
+MODEL_REGISTRY = {cls.name: cls for cls in (JudgeReward, RewardModelReward)}  # beside vlmexp.rewards.REGISTRY

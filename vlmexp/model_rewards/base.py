@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from vlmexp.rewards import Reward, RewardError, Unparsable, completion_text, report_counts
 
@@ -75,8 +75,6 @@ def text_messages(prompt: Any) -> list[dict[str, str]]:
 @dataclass
 class ModelReward(Reward):
     """Base of the model rewards: subclasses implement `score_samples` and may narrow `applies`."""
-
-    scores_every_task: ClassVar[bool] = True  # an answer of any task can be scored (vlmexp.rewards.unscored_tasks)
 
     def applies(self, sample: Sample) -> bool:
         return True
