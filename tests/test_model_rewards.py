@@ -377,3 +377,18 @@ def test_validation_takes_the_best_sample_when_a_judge_could_not_read_some():
 
     logs = validation_metrics([["unread", "good"], ["bad", "unread"]], score)
     assert logs["val/judge_score/best_at_2"] == 0.5 and logs["val/judge_score/mean_at_2"] == 0.5
+
+
+def test_validate_refuses_a_reward_model_or_local_judge_folder_that_is_not_there(tmp_path):
+    from vlmexp.config_loader import load_config
+    from vlmexp.errors import ConfigError
+
+    rewards = (f"grpo.rewards=[{{name: reward_model, kwargs: {{path: '{tmp_path / 'none'}'}}}}, {{name: judge, "
+               f"kwargs: {{model: '{tmp_path}'}}}}, {{name: judge, kwargs: {{model: served, endpoint: "
+               "'http://127.0.0.1:9/v1'}}]")
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'out'}", rewards], check_paths=True)
+    text = str(caught.value)
+    assert "grpo.rewards.0.kwargs.path" in text and "no model folder with a config.json here" in text
+    assert "grpo.rewards.1.kwargs.model" in text and "or set kwargs.endpoint" in text
+    assert "grpo.rewards.2" not in text

@@ -192,7 +192,7 @@ def _load_local(folder: str, trust_remote_code: bool):
     if not config.is_file():
         raise ModelRewardError(f"judge: {config} not found; kwargs.model must be a local model folder, or set "
                                "kwargs.endpoint to ask a served model")
-    model_type = json.loads(config.read_text()).get("model_type")
+    model_type = json.loads(config.read_text()).get("model_type")  # a local folder: the judge runs offline
     device = PartialState().device
     if model_type in FAMILIES:  # a vision-language model of a vlmexp family, with the family's processor
         family = get_family(model_type)

@@ -112,11 +112,13 @@ def _load(path: str, dtype: str, trust_remote_code: bool):
     import transformers
     from accelerate import PartialState
 
+    from vlmexp.path_checks import is_hub_id
+
     folder = Path(path)
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not is_hub_id(path):
         raise ModelRewardError(f"reward_model: {folder / 'config.json'} not found; kwargs.path must be a sequence-"
                                "classification model folder (config.json, weights, tokenizer)")
-    vision = (folder / "preprocessor_config.json").is_file()
+    vision = (folder / "preprocessor_config.json").is_file()  # a Hub id is read as a text reward model
     loader = transformers.AutoProcessor if vision else transformers.AutoTokenizer
     processor = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
