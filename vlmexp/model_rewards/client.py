@@ -63,9 +63,10 @@ class ChatClient:
         import httpx
 
         headers = self.headers()
-        with httpx.Client(timeout=httpx.Timeout(self.timeout), headers=headers) as http:
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations)))) as pool:
-                done = list(pool.map(lambda messages: self._one(http, messages), conversations))
+        workers = min(self.concurrency, max(1, len(conversations)))
+        with httpx.Client(timeout=httpx.Timeout(self.timeout), headers=headers) as http, \
+                ThreadPoolExecutor(max_workers=workers) as pool:
+            done = list(pool.map(lambda messages: self._one(http, messages), conversations))
         return [text for text, _ in done], sum(tries for _, tries in done)
 
     def _one(self, http, messages: list[dict[str, Any]]) -> tuple[str, int]:
