@@ -237,7 +237,6 @@ def conversation(method: str | None, answer: str, **extra) -> dict:
 
 
 @pytest.mark.parametrize("method, answer, needle", [
-    ("llm", "B", "accu_reward_method 'llm' is not supported: .*module:function"),
     ("fuzzy", "B", "unknown accu_reward_method 'fuzzy'; use one of iou, default"),
     ("mcq", "a cat", "names no option letter"),
     ("yes_no", "maybe", "names no yes or no"),
@@ -258,7 +257,7 @@ def test_methods_pick_task_and_travel_with_the_record():
         parse_record(conversation("od_ap", gold), "conversations", "exact")
 
 
-def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
+def test_sample_refuses_llm_without_a_judge_and_unknown_methods_naming_the_record(tmp_path):
     from PIL import Image
 
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
@@ -269,7 +268,8 @@ def test_sample_refuses_llm_and_unknown_methods_naming_the_record(tmp_path):
                           str(tmp_path / "out" / "s.jsonl")], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0
     err = run.stderr + run.stdout
-    assert "d.jsonl:2" in err and "accu_reward_method 'llm' is not supported" in err, err
+    assert "d.jsonl:2" in err and "accu_reward_method 'llm' is scored by a judge model" in err, err
+    assert "add {name: judge, kwargs: {model: ..., endpoint: ...}} to grpo.rewards" in err and "--judged" in err, err
     assert "d.jsonl:3" in err and "unknown accu_reward_method 'od_map'" in err, err
     assert not (tmp_path / "out" / "s.jsonl").exists()
 

@@ -70,7 +70,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
-    result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed)
+    result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed, judged=args.judged)
     print(format_report(result, explain=args.explain))
     print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
     return 0
@@ -154,8 +154,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     check_arguments("score", *_budget_problems(get_family(args.family), knobs), ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
                     ("--image-root", root, root and not Path(root).is_dir() and "no such folder; fix the path"))
     check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
+    cfg = None
+    if args.config:
+        from vlmexp.config_loader import load_config
+
+        cfg = load_config(args.config, [])
     metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root, args.prefilled_think,
-                                      args.math_grader)
+                                      args.math_grader, cfg)
     if args.per_sample:
         atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     print(json.dumps(metrics, indent=2))
@@ -329,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--explain", action="store_true",
                    help="also print which format each source was read as and why (the fields that decided it)")
+    p.add_argument("--judged", action="store_true",
+                   help="keep records of accu_reward_method llm: the config that trains on them has a judge reward")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")
@@ -368,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grader of math answers (default math_verify; mathruler is EasyR1's, vlmexp[mathruler])")
     p.add_argument("--prefilled-think", action="store_true",
                    help="the completions begin inside a <think> block the chat template opened (Qwen3-VL Thinking)")
+    p.add_argument("--config", help="score with this config's grpo.rewards (a judge, a reward model) and its prompts")
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("export", help="merge a LoRA adapter (if any) and write a self-contained model folder")

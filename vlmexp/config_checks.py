@@ -38,6 +38,7 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
             check_reward_name(spec.name, import_module=False)
         except ValueError as e:
             out.append(((*loc, "name"), spec.name, str(e)))
+        out += _model_reward_problem(loc, spec)
         if spec.name == "math" and "grader" in spec.kwargs:  # refused before any work, with the install hint
             out += _grader_problem((*loc, "kwargs", "grader"), spec.kwargs["grader"])
         if spec.name == "exact" and spec.kwargs.get("default_match", "vlm_r1") not in DEFAULT_MATCHES:
@@ -51,6 +52,25 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
         for loc, src in _entries(raw, ("data", key), DataSource):
             out += [((*loc, field), value, message) for field, value, message in check_source(src)]
     return out
+
+
+def _model_reward_problem(loc: Loc, spec: RewardSpec) -> list[Found]:
+    """A judge's or reward model's kwargs, checked by building the reward (which loads nothing)."""
+    from dataclasses import fields
+
+    from vlmexp.model_rewards import MODEL_REGISTRY
+
+    if spec.name not in MODEL_REGISTRY:
+        return []
+    known = [f.name for f in fields(MODEL_REGISTRY[spec.name])]
+    if unknown := sorted(set(spec.kwargs) - set(known)):
+        return [((*loc, "kwargs"), spec.kwargs, f"unknown kwargs {unknown}; the {spec.name} reward takes "
+                 f"{', '.join(known)} (docs/training.md)")]
+    try:
+        MODEL_REGISTRY[spec.name](**spec.kwargs)
+    except (TypeError, ValueError) as e:
+        return [((*loc, "kwargs"), spec.kwargs, str(e))]
+    return []
 
 
 def _grader_problem(loc: Loc, grader: Any) -> list[Found]:
@@ -88,8 +108,7 @@ def check_sections(cfg: Config) -> list[Found]:
 def check_reward_imports(cfg: Config) -> list[Found]:
     """Import each module:function reward's module in a child process (`vlmexp.rewards_loader.check_custom_reward`):
     it must import, within the time limit, and name a callable."""
-    from vlmexp.rewards import REGISTRY
-    from vlmexp.rewards_loader import check_custom_reward, check_reward_name
+    from vlmexp.rewards_loader import REWARDS, check_custom_reward, check_reward_name
 
     out: list[Found] = []
     for i, spec in enumerate(cfg.grpo.rewards):
@@ -97,7 +116,7 @@ def check_reward_imports(cfg: Config) -> list[Found]:
             check_reward_name(spec.name, import_module=False)
         except ValueError:
             continue  # check_names reports it
-        if spec.name in REGISTRY:
+        if spec.name in REWARDS:
             continue
         try:
             check_custom_reward(spec.name)

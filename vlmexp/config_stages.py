@@ -69,7 +69,7 @@ class SFTStageConfig(StageConfig):
 
 class RewardSpec(Section):
     name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, math, exact, "
-                      "detection) "
+                      "detection, judge, reward_model) "
                       "or module:function. The loader checks the name; its `import_rewards` switch (on in `vlmexp "
                       "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
@@ -203,7 +203,7 @@ class EvalConfig(Section):
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
 METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy",
-               "detection_reward", "detection_ap", "detection_ap50")
+               "detection_reward", "detection_ap", "detection_ap50", "judge_score", "reward_model_score")
 
 
 class ExportConfig(Section):

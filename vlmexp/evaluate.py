@@ -40,12 +40,15 @@ def build_scorers(rewards: Sequence[Any], frame: str, budget: Any, prefilled_thi
 
 
 def score_records(records: Sequence[SampledRecord], completions: Sequence[str], frame: str, budget: Any,
-                  rewards: Sequence[Any] = (), prefilled_think: bool = False,
-                  math_grader: str | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                  rewards: Sequence[Any] = (), prefilled_think: bool = False, math_grader: str | None = None,
+                  prompts: Sequence[Any] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
     with the columns GRPO gives them (`reward_columns`: the source's own fields too). Metrics exist only for the
     tasks present; unparsable answers score 0. Detection records also give detection_ap / detection_ap50: COCO AP
-    over all of them at once. Each other configured reward (a `module:function` one, say) gives `reward_<name>`."""
+    over all of them at once. The model rewards among `rewards` (judge, reward_model) score every record too
+    (`model_reward_metrics`), given `prompts` (the prompts the completions answer; default: each record's problem
+    as the user turn); a record of VLM-R1's `llm` method takes the judge's score as its own. Each other configured
+    reward (a `module:function` one, say) gives `reward_<name>`."""
     from vlmexp.data.record import columns_of
     from vlmexp.rewards import extract_answer
 
@@ -55,10 +58,14 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
     columns = columns_of(records)
     scorers = build_scorers(rewards, frame, budget, prefilled_think, math_grader)
     scored = {name: fn(completions=texts, **columns) for name, fn in scorers.items()}
+    model_metrics, model_scores = model_reward_metrics(rewards, frame, budget, records, texts, columns, prompts)
     rows, per_task = [], {"rec": [], "math": [], "exact": [], "detection": []}
     for i, (record, text) in enumerate(zip(records, texts, strict=True)):
         score = scored[{"rec": "iou"}.get(record.task, record.task)][i]
-        per_task[record.task].append(score)
+        if record.method == "llm":  # VLM-R1's judged records
+            score = model_scores["judge"][i]
+        if score is not None:  # an llm record the judge could not read is counted in judge_unparsable
+            per_task[record.task].append(score)
         rows.append({"image": (record.images or [""])[0], "task": record.task, "problem": record.problem,
                      "solution": columns["solution"][i], "completion": text, "answer": extract_answer(text),
                      "format": scored["format"][i], "score": score})
@@ -75,25 +82,61 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
     if per_task["detection"]:
         metrics["detection_reward"] = sum(per_task["detection"]) / len(per_task["detection"])
         metrics.update(detection_metrics(scorers["detection"].fn, texts, columns))
-    metrics.update(other_rewards(rewards, texts, columns, rows, frame, budget, prefilled_think))
-    return metrics, rows
+    metrics.update(other_rewards(rewards, texts, columns, rows, frame, budget, prefilled_think, prompts))
+    return {**metrics, **model_metrics}, rows
+
+
+def model_reward_metrics(rewards: Sequence[Any], frame: str, budget: Any, records: Sequence[SampledRecord],
+                         texts: list[str], columns: dict[str, list], prompts: Sequence[Any] | None):
+    """({name}_score (the mean over the records it could score), {name}_unparsable, {name}_seconds, {name}_calls
+    for each model reward among `rewards`; {name: its score or None per record}). A record's `llm` method with
+    no judge configured is refused, naming the fix."""
+    from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE
+    from vlmexp.model_rewards import MODEL_REGISTRY
+    from vlmexp.rewards_loader import build_reward
+
+    models = [r for r in rewards if r.name in MODEL_REGISTRY]
+    if any(r.method == JUDGED_METHOD for r in records) and "judge" not in [r.name for r in models]:
+        from vlmexp.errors import ConfigError, Problem
+
+        raise ConfigError(Problem("grpo.rewards", "", f"{NO_JUDGE}; `vlmexp score`: pass --config with that judge"))
+    if prompts is None:
+        prompts = [[{"role": "user", "content": r.problem}] for r in records]
+    metrics: dict[str, float] = {}
+    scores: dict[str, list] = {}
+    for spec in models:
+        logged: dict[str, float] = {}
+        fn = build_reward(spec.name, spec.kwargs, frame, budget)
+        scores[spec.name] = fn(prompts=list(prompts), completions=texts, **columns,
+                               log_metric=lambda k, v, logged=logged: logged.__setitem__(k, logged.get(k, 0.0) + v))
+        found = [v for v in scores[spec.name] if v is not None]
+        prefix = f"rewards/{spec.name}/"
+        metrics.update({f"{spec.name}_unparsable": sum(v for k, v in logged.items() if k.startswith(f"{prefix}unparsable/")),
+                        f"{spec.name}_seconds": logged[f"{prefix}seconds"], f"{spec.name}_calls": logged[f"{prefix}calls"]})
+        if found:
+            metrics[f"{spec.name}_score"] = sum(found) / len(found)
+    return metrics, scores
 
 
 def other_rewards(rewards: Sequence[Any], texts: Sequence[str], columns: dict[str, list], rows: list[dict[str, Any]],
-                  frame: str, budget: Any, prefilled_think: bool) -> dict[str, float]:
+                  frame: str, budget: Any, prefilled_think: bool,
+                  prompts: Sequence[Any] | None = None) -> dict[str, float]:
     """`reward_<name>` (its mean over the records it scores; NaN when it masks them all) for each configured reward
-    not among SCORERS, called as GRPO calls it: completions as assistant messages, every column; each row gets
-    the reward's score under the same key. A name's `:` becomes `.` (MLflow's metric names have no `:`)."""
+    not among SCORERS nor a model reward (`model_reward_metrics` scores those), called as GRPO calls it: the
+    prompts (None where not given), completions as assistant messages, every column; each row gets the reward's
+    score under the same key. A name's `:` becomes `.` (MLflow's metric names have no `:`)."""
+    from vlmexp.model_rewards import MODEL_REGISTRY
     from vlmexp.rewards_loader import build_reward
 
     out = {}
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     for r in rewards:
-        if r.name in SCORERS:
+        if r.name in SCORERS or r.name in MODEL_REGISTRY:
             continue
         key = "reward_" + r.name.replace(":", ".")
         scores = build_reward(r.name, dict(r.kwargs), frame, budget, prefilled_think)(
-            prompts=[None] * len(texts), completions=completions, **columns)
+            prompts=list(prompts) if prompts is not None else [None] * len(texts), completions=completions,
+            **columns)
         for row, score in zip(rows, scores, strict=True):
             row[key] = score
         kept = [s for s in scores if s is not None]
@@ -172,16 +215,22 @@ def check_sampled_records(path: str | Path) -> None:
 
 def score_predictions(path: str | Path, family_name: str, knobs: dict[str, int | None] | None = None,
                       image_root: str | Path | None = None, prefilled_think: bool = False,
-                      math_grader: str | None = None):
+                      math_grader: str | None = None, cfg: Config | None = None):
     """`vlmexp score`: (metrics, rows) for completions produced by any system, through `score_records`; the
     family's image budget is its released checkpoints' with `knobs` (min/max pixels or patches) applied;
-    `prefilled_think`: the completions begin inside a think block the template opened."""
+    `prefilled_think`: the completions begin inside a think block the template opened. With `cfg`, its
+    grpo.rewards score (a judge and a reward model among them) and their prompts are built as training builds
+    them (`build_prompt` with cfg.data)."""
     from vlmexp.families import get_family
+    from vlmexp.prompts import build_prompt
 
     family = get_family(family_name)
     budget = family.released_budget(family.check_budget_knobs(knobs or {}))
     records, completions = read_predictions(path, image_root)
-    return score_records(records, completions, family.box_frame, budget, (), prefilled_think, math_grader)
+    rewards = cfg.grpo.rewards if cfg is not None else ()
+    prompts = [build_prompt(r, cfg.data, family) for r in records] if cfg is not None else None
+    return score_records(records, completions, family.box_frame, budget, rewards, prefilled_think, math_grader,
+                         prompts)
 
 
 @dataclass
@@ -212,7 +261,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     completions = generator(prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
                             cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
-                                  cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader)
+                                  cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader, prompts)
     for row, prompt in zip(rows, prompts, strict=True):
         row["prompt"] = prompt[-1]["content"]
     if generator.settings.compile:  # logged with the evaluation's metrics (eval run: <model>/generation/...)

@@ -83,6 +83,7 @@ def check_config_paths(cfg: Config) -> list[Found]:
     out += _check_sources(d.val_datasets or [], ("data", "val_datasets"))
     out += _check_yaml(d.data_yaml, ("data", "data_yaml"))
     out += _check_yaml(d.val_data_yaml, ("data", "val_data_yaml"))
+    out += _check_reward_models(cfg)
     launch = cfg.launch
     for key in ("deepspeed", "accelerate_config", "hostfile"):
         value = getattr(launch, key)
@@ -237,6 +238,19 @@ def check_checkpoint(path: str | Path) -> str | None:
         return msg or (f"{p}/config.json: model_type {short(model_type)} is not a supported family; supported: "
                        f"{', '.join(sorted(FAMILIES))}")
     return None
+
+
+def _check_reward_models(cfg: Config) -> list[Found]:
+    """The model folders of grpo.rewards: a reward model's `path`, a local judge's `model` (without an endpoint)."""
+    out: list[Found] = []
+    for i, spec in enumerate(cfg.grpo.rewards):
+        key = {"reward_model": "path", "judge": "model"}.get(spec.name)
+        folder = spec.kwargs.get(key) if key and not (spec.name == "judge" and spec.kwargs.get("endpoint")) else None
+        hub = spec.name == "reward_model" and isinstance(folder, str) and is_hub_id(folder)  # a judge runs from disk
+        if isinstance(folder, str) and folder and not hub and not (Path(folder) / "config.json").is_file():
+            out.append((("grpo", "rewards", i, "kwargs", key), folder, "no model folder with a config.json here; fix "
+                        f"the path{', or set kwargs.endpoint to ask a served judge' if spec.name == 'judge' else ''}"))
+    return out
 
 
 def is_hub_id(path: str) -> bool:

@@ -15,6 +15,10 @@ logging window is the mean count per generation batch), plus a `<name>/unparsabl
 or None per completion) for the completion table. Scores that are NaN, inf, or a custom reward's None
 are masked (None) and counted the same way as `rewards/<name>/masked/<reason>`. Called without the
 hooks (evaluation, DPO's pair scoring), nothing is reported.
+
+The rewards computed by a model, `judge` and `reward_model`, live in `vlmexp.model_rewards` (registered beside
+these by `vlmexp.rewards_loader`); a `RewardError` they raise about a whole batch (an endpoint down, too many unreadable answers) passes the
+guarded wrapper unchanged.
 """
 
 from __future__ import annotations
@@ -249,6 +253,8 @@ class ExactReward(Reward):
     def score(self, text: str, solution: Any = None, accu_reward_method: Any = None,
               **sample: Any) -> float | Unparsable | None:
         method = accu_reward_method or "default"
+        if method == "llm":  # VLM-R1's judge-scored records: the judge reward scores them, not this one
+            return None
         if method in answers.CHOICE_METHODS:  # VLM-R1 mcq_reward / yes_no_reward: the first <answer>
             gold = answers.gold_choice(method, str(solution))
             if gold is None:
@@ -312,7 +318,8 @@ REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoU
 
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
     """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only the
-    form). A module:function reward may score any task, so with one nothing is reported."""
+    form). A module:function reward or a model reward (judge, reward_model) may score any task, so with one
+    nothing is reported."""
     if any(name not in REGISTRY for name in names):
         return []
     scored = {task for name in names for task in REGISTRY[name].tasks}
@@ -333,6 +340,8 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
     def __call__(self, prompts=None, completions=(), **kwargs):
         try:
             scores = self.fn(prompts=prompts, completions=completions, **kwargs)
+        except RewardError:  # about the whole batch (a model reward's endpoint, its unreadable answers): as it is
+            raise
         except Exception as batch_error:
             for i in range(len(completions)):  # find the first sample that raises, to name it (hooks left out)
                 one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(completions) else v
@@ -375,3 +384,4 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                 masked["nan" if math.isnan(value) else "inf"] += 1
                 out.append(None)
         return out, masked
+

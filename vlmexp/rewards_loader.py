@@ -1,5 +1,5 @@
 """From a config's reward entry to the callable GRPO, DPO's pair scoring and evaluation call: a registered
-name (`vlmexp.rewards.REGISTRY`) is built with its kwargs and the model family's box frame; a
+name (`vlmexp.rewards.REGISTRY`, and the model rewards' `vlmexp.model_rewards.MODEL_REGISTRY`: `REWARDS`) is built with its kwargs and the model family's box frame; a
 `module:function` reward, the only way config text selects code to run, is imported here (training) or,
 to validate a config, in a child Python process with a time limit (`check_custom_reward`). Either comes
 back wrapped by `vlmexp.rewards.guarded`.
@@ -12,7 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmexp.errors import short
+from vlmexp.model_rewards import MODEL_REGISTRY
 from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, guarded
+
+REWARDS = {**REGISTRY, **MODEL_REGISTRY}  # every registered name: the rule-based rewards and the model rewards
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and transformers takes ~5 s here
@@ -21,7 +24,7 @@ DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and trans
 def _split_ref(ref: str) -> tuple[str, str]:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr.isidentifier():
-        raise ValueError(f"reward {ref!r} is neither a registered name ({', '.join(REGISTRY)}) nor module:function")
+        raise ValueError(f"reward {ref!r} is neither a registered name ({', '.join(REWARDS)}) nor module:function")
     return module_name, attr
 
 
@@ -130,10 +133,10 @@ def check_reward_name(name: str, import_module: bool = True) -> None:
     """Raise ValueError (with the fix) unless `name` is registered or a well-formed module:function that
     imports (in a child process, `check_custom_reward`) and names a callable. `import_module=False`
     checks the form only (a config already validated)."""
-    if name in REGISTRY:
+    if name in REWARDS:
         return
     if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(REGISTRY)} or module:function")
+        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(REWARDS)} or module:function")
     _split_ref(name)
     if import_module:
         check_custom_reward(name)
@@ -143,15 +146,15 @@ def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
                  prefilled_think: bool = False) -> Callable[..., list[Score]]:
     """One reward callable from its config entry; `prefilled_think`: the chat template's generation prompt ends
     in <think> (the format reward's default for its `prefilled_think`)."""
-    if name not in REGISTRY:
+    if name not in REWARDS:
         return guarded(load_custom(name), name)
     args = dict(kwargs)
-    if issubclass(REGISTRY[name], (IoUReward, DetectionReward)):  # boxes are read in the family's frame
+    if issubclass(REWARDS[name], (IoUReward, DetectionReward)):  # boxes are read in the family's frame
         args.update(frame=frame, budget=budget)
-    if REGISTRY[name] is FormatReward and args.get("prefilled_think") is None:
+    if REWARDS[name] is FormatReward and args.get("prefilled_think") is None:
         args["prefilled_think"] = prefilled_think
     try:
-        reward = REGISTRY[name](**args)
+        reward = REWARDS[name](**args)
     except TypeError as e:
         raise ValueError(f"reward {name!r}: bad kwargs {kwargs} ({e})") from None
     return guarded(reward, name)

@@ -163,3 +163,23 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
         processor.save_pretrained(tmp)  # with preprocessor_config.json, as real checkpoints ship
         (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **spec.model_dump()}, indent=2))
     return Path(out_dir)
+
+
+def make_tiny_reward_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
+    """Write a random-weight text reward model (Qwen2ForSequenceClassification, one label) with the tiny model's
+    tokenizer and chat template to `out_dir`: what the `reward_model` reward loads, offline."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    fam, spec = get_family("qwen2_5_vl"), spec or TinySpec()
+    with new_folder(out_dir) as tmp:
+        tokenizer = build_tokenizer(fam, spec)
+        text = fam.tiny_config(spec, tokenizer).text_config
+        config = Qwen2Config(vocab_size=text.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+                             intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
+                             num_key_value_heads=spec.num_kv_heads, num_labels=1, pad_token_id=text.pad_token_id,
+                             eos_token_id=text.eos_token_id)
+        torch.manual_seed(spec.seed)
+        Qwen2ForSequenceClassification(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out_dir)

@@ -63,13 +63,15 @@ ANSWER_TEXT = {"pairs": "chosen", "preference": "chosen", "conversations": "the 
 # picks the scoring within the task (vlmexp.answers, vlmexp.detection). Any other value is refused.
 ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "yes_no": "exact", "all_match": "exact",
              "math": "math", "od_ap": "detection", "od_ap50": "detection", "map": "detection",
-             "odLength": "detection", "weighted_sum": "detection"}
+             "odLength": "detection", "weighted_sum": "detection", "llm": "exact"}
+# VLM-R1 asks a judge model for these records' scores: the `judge` reward scores them, and sampling keeps them
+# only when the config has one (vlmexp.data.sampling, `judged`)
+JUDGED_METHOD = "llm"
+NO_JUDGE = ("accu_reward_method 'llm' is scored by a judge model (VLM-R1 asks one over an OpenAI-compatible API), "
+            "and none is configured: add {name: judge, kwargs: {model: ..., endpoint: ...}} to grpo.rewards "
+            "(`vlmexp sample`: pass --judged), or map these records to another accu_reward_method")
 TASK_METHOD = {"rec": "iou", "exact": "default", "math": "math"}  # a record without accu_reward_method
-REFUSED_METHODS = {  # methods VLM-R1 defines that vlmexp does not run, and why
-    "llm": "VLM-R1 asks a judge model over an OpenAI-compatible API for it, which vlmexp does not call; map these "
-           "records to another accu_reward_method (e.g. default or all_match), or score them with your own "
-           "`module:function` reward in grpo.rewards and give the records a method it reads",
-}
+REFUSED_METHODS: dict[str, str] = {}  # methods VLM-R1 defines that vlmexp does not run, and why
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages", "prompt",
           "completion", "system", "instruction", "input", "output", "history", "accu_reward_method", "task", "id",

@@ -62,9 +62,9 @@ def prepare_data(cfg: Config, reuse: bool = False) -> PreparedData:
     held_out = bool(val_src) or bool(cfg.data.val_fraction)
     if reuse and (found := _sampled_for(out, request, held_out)) is not None:
         return found
-    seed = cfg.run.seed
-    train = sample_sources(train_src, out / "train.jsonl", seed)
-    val = sample_sources(val_src, out / "val.jsonl", seed) if val_src else None
+    seed, judged = cfg.run.seed, any(r.name == "judge" for r in cfg.grpo.rewards)
+    train = sample_sources(train_src, out / "train.jsonl", seed, judged)
+    val = sample_sources(val_src, out / "val.jsonl", seed, judged) if val_src else None
     if cfg.data.val_fraction:
         train, val = split_holdout(train, cfg.data.val_fraction, seed)
     atomic_write(out / REQUEST_NAME, json.dumps({"request": request}) + "\n")

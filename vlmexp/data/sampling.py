@@ -20,7 +20,7 @@ from typing import Any
 
 from vlmexp.config import DataSource
 from vlmexp.data import llamafactory
-from vlmexp.data.formats import detect_format, no_format
+from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE, detect_format, no_format
 from vlmexp.data.images import ImageStore
 from vlmexp.data.normalise import Origin, normalise
 from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256, source_column_names
@@ -89,9 +89,10 @@ def _missing_columns(src: DataSource, have: list[str] | None) -> Problem | None:
                                              f"{have}; fix the source's `columns` mapping")
 
 
-def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[SampledRecord], SourceReport,
-                                                                         list[Problem]]:
-    """The kept records of one source, normalised (vlmexp.data.normalise), and its problems."""
+def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = False
+                  ) -> tuple[list[SampledRecord], SourceReport, list[Problem]]:
+    """The kept records of one source, normalised (vlmexp.data.normalise), and its problems; `judged`: a judge
+    reward is configured, so records of VLM-R1's `llm` method are kept (else refused, naming the fix)."""
     named, (src, tags) = src, llamafactory.resolve(src)
     table = open_table(src)
     kind = locate(src.json_path).kind
@@ -121,6 +122,9 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[S
         if isinstance(kept, Problem):
             problems.append(kept)
             continue
+        if kept[0].method == JUDGED_METHOD and not judged:
+            problems.append(Problem(where, "accu_reward_method", NO_JUDGE, JUDGED_METHOD))
+            continue
         tasks.add(kept[0].task)
         embedded += kept[1]
         out.append(kept[0])
@@ -131,22 +135,23 @@ def sample_source(src: DataSource, seed: int, store: ImageStore) -> tuple[list[S
     return out, report, problems
 
 
-def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int) -> SampleResult:
-    """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically."""
+def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int, judged: bool = False) -> SampleResult:
+    """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically; `judged`: a
+    judge reward will score records of the `llm` method (`sample_source`)."""
     out = Path(out_path)
     store = ImageStore(out.parent / IMAGES_DIR)
     try:
-        return _sample_into(sources, out, seed, store)
+        return _sample_into(sources, out, seed, store, judged)
     except BaseException:
         store.discard()
         raise
 
 
-def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageStore) -> SampleResult:
+def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageStore, judged: bool) -> SampleResult:
     records, reports, problems = [], [], []
     for src in sources:
         try:
-            recs, report, probs = sample_source(src, seed, store)
+            recs, report, probs = sample_source(src, seed, store, judged)
         except DataError as e:
             problems += e.problems
             continue

@@ -35,7 +35,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor, inputs.family))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
-    check_rewards_score(cfg, set(train_dataset["task"]))  # before the model loads
+    check_rewards_score(cfg, set(train_dataset["task"]), set(train_dataset["accu_reward_method"]))  # before the model loads
     if cfg.grpo.difficulty_filter.enabled:  # the start model samples first; prompts without signal are dropped
         from vlmexp.train.difficulty import kept_rows
 
@@ -54,12 +54,16 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     return trainer, inputs, len(train_dataset)
 
 
-def check_rewards_score(cfg: Config, tasks: set[str]) -> None:
-    """Refuse records whose answers no configured reward scores: they would train on the format reward alone."""
+def check_rewards_score(cfg: Config, tasks: set[str], methods: set[str | None] = frozenset()) -> None:
+    """Refuse records whose answers no configured reward scores: they would train on the format reward alone
+    (records of VLM-R1's `llm` method are scored by a judge alone)."""
+    from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE
     from vlmexp.errors import ConfigError, Problem
     from vlmexp.rewards import scoring_rewards, unscored_tasks
 
     names = [r.name for r in cfg.grpo.rewards]
+    if JUDGED_METHOD in methods and "judge" not in names:
+        raise ConfigError(Problem("grpo.rewards", "", NO_JUDGE, names))
     if missing := unscored_tasks(tasks, names):
         raise ConfigError([Problem("grpo.rewards", "", f"the sampled records hold task {task!r}, whose answers none "
                                    f"of the rewards {names} scores, so they would train on the format alone; add "

@@ -63,7 +63,11 @@ def validation_metrics(groups: Sequence[Sequence[str]], score: Scorer) -> dict[s
     runs = [score([g[j] for g in groups]) for j in range(n)]
     if n == 1:
         return {f"{PREFIX}{k}": v for k, v in runs[0][0].items() if k != "count"}
-    best = [groups[i][max(range(n), key=lambda j: runs[j][1][i]["score"])] for i in range(len(groups))]
+    def score_of(j: int, i: int) -> float:  # a judge that could not read an answer leaves its score None
+        value = runs[j][1][i]["score"]
+        return float("-inf") if value is None else value
+
+    best = [groups[i][max(range(n), key=lambda j: score_of(j, i))] for i in range(len(groups))]
     best_metrics = score(best)[0]
     out = {}
     for key in runs[0][0]:
@@ -95,11 +99,13 @@ def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> Hel
     records = read_sampled(val_path)[: cfg.eval.during_training_samples]
     thinking = prefills_think(processor)
 
+    prompts = [build_prompt(r, cfg.data, family) for r in records]
+
     def score(completions: Sequence[str]):
         return score_records(records, completions, family.box_frame, budget, cfg.grpo.rewards, thinking,
-                             cfg.eval.math_grader)
+                             cfg.eval.math_grader, prompts)
 
-    return HeldOut(records, [build_prompt(r, cfg.data, family) for r in records],
+    return HeldOut(records, prompts,
                    [load_images(r.images) for r in records], family, score)
 
 
