@@ -143,7 +143,7 @@ def test_dpo_sample_scoring_and_evaluation_pass_the_source_columns(sources, tmp_
     from vlmexp.config_stages import RewardSpec
     from vlmexp.evaluate import score_records
     from vlmexp.rewards_loader import build_reward
-    from vlmexp.train.dpo import score_group
+    from vlmexp.generation import score_group
 
     records = _sample(tmp_path, sources)
     reward = build_reward(REWARD, {}, "pixels", None)
