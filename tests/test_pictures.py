@@ -158,3 +158,45 @@ def test_no_pictures_when_switched_off(tmp_path):
     evaluations = _evaluations(tmp_path, records, {"grpo": [_answer(TRUTH, family, budget)]}, family, budget)
     client, run_id, _ = _logged(tmp_path, evaluations, pictures=0)
     assert client.list_artifacts(run_id, "evaluation/pictures") == []
+
+
+@pytest.mark.slow
+def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
+    """`vlmexp train grpo` into a sqlite store, a completion table every step: the table's `image` column holds
+    pictures MLflow's table view shows (PNG artifacts), each the record's image with its ground-truth box green,
+    its reward and advantage beside the path, solution, task and sizes of the record."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SMALL_BATCHES
+    from mlflow.tracking import MlflowClient
+
+    from vlmexp.pictures import COLOURS, MAX_SIDE
+
+    repo, store = Path(__file__).parents[1], f"sqlite:///{tmp_path / 'store.db'}"
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+                        f"run.output_dir={tmp_path / 'out'}", "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
+                        "grpo.args.max_steps=2", "grpo.args.save_steps=100", "grpo.args.logging_steps=1",
+                        "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+                        "grpo.args.max_completion_length=8", f"tracking.tracking_uri={store}",
+                        "tracking.completions_every=1", "tracking.completions_per_table=3"],
+                       capture_output=True, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/step_000002.json",
+                                                      str(tmp_path / "dl"))).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["image"]["type"] == "image" and row["task"] == "rec" and isinstance(row["advantage"], float)
+        assert row["reward"] == pytest.approx(0.25 * row["reward/format"] + row["reward/iou"])
+        picture = Image.open(client.download_artifacts(run.info.run_id, row["image"]["filepath"],
+                                                       str(tmp_path / "dl"))).convert("RGB")
+        width, height = row["image_sizes"][0]
+        scale = 256 / max(width, height)
+        assert picture.size == (round(width * scale), round(height * scale) + 18) and max(picture.size) <= MAX_SIDE
+        x1, y1, x2, y2 = (v * scale for v in json.loads(row["solution"]))
+        assert picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
+        assert Path(row["image_path"]).is_file()
