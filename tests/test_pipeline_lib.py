@@ -136,7 +136,7 @@ def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
     from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
 
     pictures = tmp_path / "eval" / "qwen2_5_vl" / "pictures"
-    assert sorted(p.name for p in pictures.iterdir()) == [*(f"record_{i:03d}.png" for i in range(5)), "grid.png"]
+    assert sorted(p.name for p in pictures.iterdir()) == ["grid.png", *(f"record_{i:03d}.png" for i in range(5))]
     record = read_sampled(tmp_path / "data" / "val.jsonl")[0]
     picture = Image.open(pictures / "record_000.png").convert("RGB")
     scale = (MAX_SIDE - PANEL) / max(record.image_sizes[0])
