@@ -117,8 +117,8 @@ class Validation(TrainerCallback):
         if not self.due(state):
             return control
         logs = self.validate(model, state.global_step) if state.is_world_process_zero else None
-        if state.is_world_process_zero:
-            log_pictures(args, self.pictures(), state.global_step)
+        if state.is_world_process_zero and "mlflow" in (args.report_to or []):
+            log_pictures(self.pictures(), state.global_step)
         logs = share(logs)
         value = logs.get(self.metric)
         if value is not None and self.better(value, state.best_metric):
@@ -178,10 +178,10 @@ class Validation(TrainerCallback):
                 for r in rows]
 
 
-def log_pictures(args, pictures: list, step: int) -> None:
+def log_pictures(pictures: list, step: int) -> None:
     """Each picture as the MLflow image `validation/record_<i>` at `step` of the stage's run (the run page's
-    image slider steps through them), when the Trainer reports to MLflow; an unreachable store costs the images."""
-    if not pictures or "mlflow" not in (args.report_to or []):
+    image slider steps through them); an unreachable store costs the images."""
+    if not pictures:
         return
     import mlflow
 
