@@ -197,6 +197,6 @@ def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
         width, height = row["image_sizes"][0]
         scale = 256 / max(width, height)
         assert picture.size == (round(width * scale), round(height * scale) + 18) and max(picture.size) <= MAX_SIDE
-        x1, y1, x2, y2 = (v * scale for v in json.loads(row["solution"]))
+        x1, y1, _, y2 = (v * scale for v in json.loads(row["solution"]))
         assert picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
         assert Path(row["image_path"]).is_file()

@@ -140,7 +140,7 @@ def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
     record = read_sampled(tmp_path / "data" / "val.jsonl")[0]
     picture = Image.open(pictures / "record_000.png").convert("RGB")
     scale = (MAX_SIDE - PANEL) / max(record.image_sizes[0])
-    x1, y1, x2, y2 = (v * scale for v in record.solution)
+    x1, y1, _, y2 = (v * scale for v in record.solution)
     assert max(picture.size) <= MAX_SIDE and picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
 
 
