@@ -170,7 +170,7 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
     log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"),
-                       cfg.export.metric)
+                       cfg.export.metric, cfg.eval.pictures, Path(cfg.run.output_dir) / "eval" / "pictures")
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -236,7 +236,8 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
 
     cfg = load_resolved(run.data.resolved)
     tracker = make_tracker(cfg)
-    text = render_summary(run, tracker.run_link(run.mlflow_run_id), tracker.uri)
+    grid = "evaluation/grid.png" if tracker.enabled and cfg.eval.pictures and run.evaluations else ""  # beside it
+    text = render_summary(run, tracker.run_link(run.mlflow_run_id), tracker.uri, grid)
     create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
     tracker.log_text(run.mlflow_run_id, text, "summary.md")
     tracker.set_tags(run.mlflow_run_id, summary_tags(run))

@@ -129,6 +129,19 @@ def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
     metrics = json.loads(r.stdout[r.stdout.index("{"):])
     assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75"}
     assert (tmp_path / "eval" / "qwen2_5_vl" / "samples.jsonl").read_text().count("\n") == 5
+    # the records drawn with the ground truth (green, on its box's edges) and this model's boxes, and their grid
+    from PIL import Image
+
+    from vlmexp.data.record import read_sampled
+    from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
+
+    pictures = tmp_path / "eval" / "qwen2_5_vl" / "pictures"
+    assert sorted(p.name for p in pictures.iterdir()) == ["grid.png", *(f"record_{i:03d}.png" for i in range(5))]
+    record = read_sampled(tmp_path / "data" / "val.jsonl")[0]
+    picture = Image.open(pictures / "record_000.png").convert("RGB")
+    scale = (MAX_SIDE - PANEL) / max(record.image_sizes[0])
+    x1, y1, _, y2 = (v * scale for v in record.solution)
+    assert max(picture.size) <= MAX_SIDE and picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
 
 
 def test_the_experiment_opens_as_model_training_in_the_mlflow_ui(tmp_path):

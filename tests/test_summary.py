@@ -73,3 +73,7 @@ Registered `vlmexp-demo` version 2: **promoted to `champion`** on rec_mean_iou: 
 MLflow: `sqlite:///o/mlflow.db experiment 1 run p` (browse: `vlmexp ui --store sqlite:///o/mlflow.db`)
 """
     assert summary_tags(_run()) == {"stage.sft": "trained", "stage.grpo": "skipped", "export.promoted": "true"}
+    # with the evaluation's grid beside summary.md in the parent run: shown under the table
+    pictured = render_summary(_run(), "", "", "evaluation/grid.png")
+    assert ("| grpo | 8 | 0.35 |\n\nThe first held-out records, ground truth green, each model in its colour:\n\n"
+            "![held-out records with each model's boxes](evaluation/grid.png)\n\nExported") in pictured

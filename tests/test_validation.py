@@ -110,6 +110,30 @@ def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
     summary = json.loads((tmp_path / "val" / "sft" / "validation.json").read_text())
     assert summary["metric"] == "val/rec_mean_iou" and [s for s, _ in summary["history"]] == [2, 4, 5]
     assert "validation on 4 held-out records x 1" in validated.stderr
+    _assert_validation_pictures(client, run.info.run_id, tmp_path / "val", tmp_path / "dl")
+
+
+def _assert_validation_pictures(client, run_id: str, out: Path, dest: Path) -> None:
+    """eval.during_training_pictures (4) held-out records as MLflow images `validation/record_<i>` at each validation
+    step (the image slider's steps), each at most 512 px a side, the ground truth green on its box's edges."""
+    from PIL import Image
+
+    from vlmexp.data.record import read_sampled
+    from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
+
+    names = [a.path.split("/")[-1] for a in client.list_artifacts(run_id, "images")]
+    logged = sorted((n.split("+")[0], int(n.split("+")[2])) for n in names if not n.endswith("compressed.webp"))
+    assert logged == sorted((f"validation~record_{i:02d}", step) for i in range(4) for step in (2, 4, 5)), names
+    assert client.get_run(run_id).data.tags.get("mlflow.loggedImages") == "True"
+    first = next(n for n in names if n.startswith("validation~record_00+step+5+") and n.endswith(".png"))
+    picture = Image.open(client.download_artifacts(run_id, f"images/{first}", str(dest))).convert("RGB")
+    record = read_sampled(out / "data" / "val.jsonl")[0]
+    width, height = record.image_sizes[0]
+    scale = (MAX_SIDE - PANEL) / max(width, height)
+    assert max(picture.size) <= MAX_SIDE and picture.width == round(width * scale) + PANEL
+    x1, y1, x2, y2 = (v * scale for v in record.solution)
+    for xy in ((int(x1) + 1, int((y1 + y2) / 2)), (int((x1 + x2) / 2), int(y1) + 1)):
+        assert picture.getpixel(xy) == COLOURS["truth"][1], xy
 
 
 @pytest.mark.slow

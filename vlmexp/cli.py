@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--config", required=True)
     p.add_argument("--records", help="sampled JSONL to evaluate on (default: the config's held-out split)")
-    p.add_argument("--out", help="folder for metrics.json and samples.jsonl")
+    p.add_argument("--out", help="folder for metrics.json, samples.jsonl and pictures/ (the first eval.pictures "
+                   "records with their boxes)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_eval)
 

@@ -192,6 +192,13 @@ class EvalConfig(Section):
     during_training_temperature: float = Field(
         0.0, ge=0, description="Sampling temperature of validation during training; 0 = greedy (needs "
         "during_training_n: 1).")
+    pictures: int = Field(16, ge=0, le=256, description="Draw the first N held-out records with the ground truth "
+        "and each evaluated model's boxes (PNG, at most 512 px a side): <output_dir>/eval/<model>/pictures/, and in "
+        "the pipeline's MLflow evaluation run evaluation/pictures/ (every model on one picture, and a grid). 0: none.")
+    during_training_pictures: int = Field(4, ge=0, le=64, description="At each validation during training "
+        "(eval.every_steps), log the first N held-out records with the current model's box as MLflow images "
+        "(validation/record_<i>, one per step: the image slider shows the box move). At most "
+        "during_training_samples are drawn. 0: none.")
 
     @model_validator(mode="after")
     def _samples_differ(self) -> EvalConfig:

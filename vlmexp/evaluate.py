@@ -44,12 +44,14 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
                   prompts: Sequence[Any] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
     with the columns GRPO gives them (`reward_columns`: the source's own fields too). Metrics exist only for the
-    tasks present; unparsable answers score 0. Detection records also give detection_ap / detection_ap50: COCO AP
-    over all of them at once. The model rewards among `rewards` (judge, reward_model) score every record too
+    tasks present; unparsable answers score 0; a box task's row holds the ground truth's and the answer's boxes
+    in original pixels (`truth`, `boxes`: vlmexp.pictures.boxes_of). Detection records also give detection_ap /
+    detection_ap50: COCO AP over all of them at once. The model rewards among `rewards` (judge, reward_model) score every record too
     (`model_reward_metrics`), given `prompts` (the prompts the completions answer; default: each record's problem
     as the user turn); a record of VLM-R1's `llm` method takes the judge's score as its own. Each other configured
     reward (a `module:function` one, say) gives `reward_<name>`."""
     from vlmexp.data.record import columns_of
+    from vlmexp.pictures import boxes_of
     from vlmexp.rewards import extract_answer
 
     texts = list(completions)
@@ -68,7 +70,7 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
             per_task[record.task].append(score)
         rows.append({"image": (record.images or [""])[0], "task": record.task, "problem": record.problem,
                      "solution": columns["solution"][i], "completion": text, "answer": extract_answer(text),
-                     "format": scored["format"][i], "score": score})
+                     "format": scored["format"][i], "score": score, **boxes_of(scorers, text, columns, i)})
     metrics: dict[str, float] = {"count": float(len(rows))}
     if rows:
         metrics["format_rate"] = sum(scored["format"]) / len(rows)
@@ -241,13 +243,16 @@ class EvalResult:
 
 
 def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: str | Path) -> EvalResult:
-    """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json and samples.jsonl."""
+    """Generate on `records_path` (sampled JSONL) with `model_path`; write metrics.json, samples.jsonl and the
+    first eval.pictures records drawn with their boxes (pictures/, vlmexp.pictures; the model named after
+    `out_dir`)."""
     from transformers import set_seed
 
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
     from vlmexp.generation import Generator
     from vlmexp.modeling import load_for_inference
+    from vlmexp.pictures import write_evaluation_pictures
     from vlmexp.processor import prefills_think
     from vlmexp.prompts import build_prompt, load_images
 
@@ -270,5 +275,6 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     atomic_write(out / "metrics.json", json.dumps({"model": model_path, **metrics}, indent=2) + "\n")
+    write_evaluation_pictures({out.name: rows}, cfg.eval.pictures, out / "pictures", f"{out.name}: {model_path}")
     log.info("evaluated %s on %d records: %s", model_path, len(rows), metrics)
     return EvalResult(metrics, out / "metrics.json", out / "samples.jsonl")

@@ -166,6 +166,11 @@ class IoUReward(Reward):
         if gold is None or not image_sizes:
             raise ValueError(f"record has no ground-truth box or image size (solution={solution!r}, "
                              f"image_sizes={image_sizes!r}); sample it with `vlmexp sample`")
+        box = self.box(text, image_sizes)
+        return box if isinstance(box, Unparsable) else self.value(box, gold)
+
+    def box(self, text: str, image_sizes: Any) -> list[float] | Unparsable:
+        """The completion's box in original pixels of the record's first image, as `score` reads it."""
         answer = extract_answer(text, self.answer_tag)
         if answer is None:
             return self.fail("no_answer")
@@ -178,7 +183,7 @@ class IoUReward(Reward):
         if box[2] <= box[0] or box[3] <= box[1]:
             return self.fail("degenerate_box")
         width, height = image_sizes[0]
-        return self.value(from_frame(box, width, height, self.frame, self.budget), gold)
+        return from_frame(box, width, height, self.frame, self.budget)
 
     def value(self, predicted: list[float], gold: list[float]) -> float:
         return iou(predicted, gold)

@@ -23,8 +23,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "") -> str:
-    """The summary a person reads after a run (Prefect artifact, MLflow summary.md, `vlmexp run`'s output)."""
+def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "", grid: str = "") -> str:
+    """The summary a person reads after a run (Prefect artifact, MLflow summary.md, `vlmexp run`'s output);
+    `grid`: the evaluation's grid picture (vlmexp.pictures), relative to where the summary is read."""
     lines = [f"# {run.name}", "", f"config `{run.config}`, data manifest `{run.data.hash[:12]}`", "",
              "| stage | status | seconds | output |", "|---|---|---|---|"]
     for stage, result in run.stages.items():
@@ -32,6 +33,9 @@ def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "") 
                      f"| {stage} | {stage_status(result, run.flow_run_id)} | {result.seconds:.1f} | `{result.final}` |")
     if run.evaluations:
         lines += ["", "## Evaluation", "", markdown_table(run.evaluation)]
+        if grid:
+            lines += ["", "The first held-out records, ground truth green, each model in its colour:", "",
+                      f"![held-out records with each model's boxes]({grid})"]
     if run.export:
         lines += ["", f"Exported: `{run.export}`"]
     if p := run.promotion:

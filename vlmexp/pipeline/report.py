@@ -11,19 +11,31 @@ from vlmexp.pipeline.tracker import NullTracker
 
 
 def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]],
-                       dataset: str | Path | None = None, headline: str | None = None) -> None:
+                       dataset: str | Path | None = None, headline: str | None = None, pictures: int = 0,
+                       pictures_dir: str | Path | None = None) -> None:
     """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
     (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent). Each evaluated
     model that a stage logged as a model gets its metrics too (`eval/<metric>` on the held-out `dataset`
-    manifest's data, and the `headline` metric as its run's first chart) and is an input of the run."""
+    manifest's data, and the `headline` metric as its run's first chart) and is an input of the run. The first
+    `pictures` records drawn with every model's boxes (vlmexp.pictures, written to `pictures_dir`) go to
+    evaluation/pictures/, their grid also to the parent's evaluation/grid.png."""
+    from vlmexp.pictures import write_evaluation_pictures
+
     run_id = tracker.start_stage(parent_run_id, "eval")
+    models = {}
     for e in evaluations:
         metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
         tracker.log_metrics(run_id, metrics)
-        rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
+        models[e.name] = rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
         tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
     tracker.log_table(run_id, table, "evaluation/comparison.json")
     tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
+    if pictures and pictures_dir is not None and models:
+        files = write_evaluation_pictures(models, pictures, pictures_dir, "held-out records: " + ", ".join(models))
+        for path in files:
+            tracker.log_artifact(run_id, path, "evaluation/pictures")
+        if files:
+            tracker.log_artifact(parent_run_id, files[-1], "evaluation")
     tracker.log_evaluated_models(run_id, {e.model: e.metrics for e in evaluations}, dataset, headline)
     tracker.end(run_id)
 

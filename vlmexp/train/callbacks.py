@@ -37,22 +37,49 @@ class CompletionTable(TrainerCallback):
     """Every `every` steps, log a table of the latest generation batch's completions to the MLflow run the
     Trainer reports to (TRL sends its own table only to wandb and trackio). It reads what GRPOTrainer
     collected: prompts, completions, each reward's score, the advantages, and the columns logged through
-    `log_extra` (the record's image and solution, each reward's unparsable reason)."""
+    `log_extra` (the record's image, solution, task and sizes, each reward's unparsable reason). The `image`
+    column is the picture itself (MLflow's table view shows it): the record's image with the ground truth and
+    the completion's boxes as `scorers` read them (vlmexp.evaluate.build_scorers, vlmexp.pictures), its weighted
+    reward and its advantage; the file's path is `image_path`."""
 
-    def __init__(self, trainer, every: int, rows: int):
-        self.trainer, self.every, self.rows = trainer, every, rows
+    def __init__(self, trainer, every: int, rows: int, scorers=None):
+        self.trainer, self.every, self.rows, self.scorers = trainer, every, rows, scorers
 
     def table(self, step: int) -> dict[str, list]:
         from vlmexp.rewards import completion_text
 
         logs, n = self.trainer._logs, min(self.rows, len(self.trainer._logs["completion"]))
         extra = {k: list(v)[:n] for k, v in logs["extra"].items()}
-        return {"step": [step] * n, "image": extra.pop("image", [""] * n),
-                "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in list(logs["prompt"])[:n]],
-                "completion": [completion_text(c) for c in list(logs["completion"])[:n]],
-                "solution": extra.pop("solution", [""] * n),
-                **{f"reward/{name}": list(v)[:n] for name, v in logs["rewards"].items()},
-                "advantage": list(logs["advantages"])[:n], **extra}
+        paths = extra.pop("image", [""] * n)
+        completions = [completion_text(c) for c in list(logs["completion"])[:n]]
+        rewards = {f"reward/{name}": list(v)[:n] for name, v in logs["rewards"].items()}
+        total = self.weighted(rewards, n)
+        table = {"step": [step] * n, "image_path": paths,
+                 "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in list(logs["prompt"])[:n]],
+                 "completion": completions, "solution": extra.pop("solution", [""] * n), "reward": total,
+                 **rewards, "advantage": list(logs["advantages"])[:n], **extra}
+        table["image"] = self.pictures(table, paths, completions, total)
+        return table
+
+    def weighted(self, rewards: dict[str, list], n: int) -> list[float]:
+        """Each completion's reward as GRPO sums it: weights times scores, a masked (NaN) score left out."""
+        weights = [float(w) for w in self.trainer.reward_weights]
+        return [sum(w * v[i] for w, v in zip(weights, rewards.values(), strict=False) if v[i] == v[i])
+                for i in range(n)]
+
+    def pictures(self, table: dict[str, list], paths: list, completions: list[str], total: list[float]) -> list:
+        """The `image` column: each completion drawn (vlmexp.pictures.completion_picture)."""
+        from vlmexp.pictures import boxes_of, completion_picture
+
+        out = []
+        for i, text in enumerate(completions):
+            columns = {"task": table.get("task"), "solution": table["solution"], "image_sizes": table.get("image_sizes"),
+                       "accu_reward_method": table.get("method")}
+            drawn = (boxes_of(self.scorers, text, columns, i)
+                     if self.scorers is not None and columns["task"] and columns["image_sizes"] else {})
+            out.append(completion_picture(paths[i] or "", drawn.get("truth", []), drawn.get("boxes", []), total[i],
+                                          table["advantage"][i], task=columns["task"][i] if columns["task"] else "rec"))
+        return out
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.every or state.global_step % self.every or not state.is_world_process_zero:

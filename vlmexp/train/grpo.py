@@ -22,6 +22,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
                        mlflow_run_id: str | None = None):
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
+    from vlmexp.evaluate import build_scorers
     from vlmexp.generation import configure_trainer, resolve
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
@@ -48,9 +49,11 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
                                  callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
-    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table))
     settings = resolve(cfg.generation, trainer.accelerator.device.type)  # TRL's rollouts as every stage generates
     trainer.add_callback(CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
+    scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)  # the table's boxes
+    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table,
+                                         scorers))
     return trainer, inputs, len(train_dataset)
 
 

@@ -146,8 +146,10 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.image_token_id = tokenizer.convert_tokens_to_ids(family.image_token)
 
     def _generate_and_score_completions(self, inputs):
-        # the record's image and solution as completion-table columns (TRL's log_extra, flushed with the batch)
-        for column, key in (("image", "image_path"), ("solution", "solution")):
+        # the record's image, solution, task and sizes as completion-table columns (TRL's log_extra, flushed with
+        # the batch): the table draws each completion's boxes from them (vlmexp.train.callbacks.CompletionTable)
+        for column, key in (("image", "image_path"), ("solution", "solution"), ("task", "task"),
+                            ("method", "accu_reward_method"), ("image_sizes", "image_sizes")):
             self._log_completion_extra(column, [x.get(key) for x in inputs])
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and "image_sizes" in inputs[0]:

@@ -113,10 +113,11 @@ class Validation(TrainerCallback):
     """Validate every `eval.every_steps` steps and at the last; track the best `export.metric` in the Trainer's
     state (see the module docstring)."""
 
-    def __init__(self, trainer, cfg: Config, held_out: HeldOut):
-        self.trainer, self.cfg, self.held_out = trainer, cfg, held_out
+    def __init__(self, trainer, cfg: Config, held_out: HeldOut, stage: str = "model"):
+        self.trainer, self.cfg, self.held_out, self.stage = trainer, cfg, held_out, stage
         self.metric, self.maximize = tracked_metric(cfg), cfg.export.direction == "maximize"
         self.compile_count = CompileCount()  # every validation's generation compilations, in one count
+        self.first: list[str] = []  # each record's first completion at the last validation
 
     def due(self, state) -> bool:
         return state.global_step % self.cfg.eval.every_steps == 0 or state.global_step == state.max_steps
@@ -125,6 +126,8 @@ class Validation(TrainerCallback):
         if not self.due(state):
             return control
         logs = self.validate(model, state.global_step) if state.is_world_process_zero else None
+        if state.is_world_process_zero and "mlflow" in (args.report_to or []):
+            log_pictures(self.pictures(), state.global_step)
         logs = share(logs)
         value = logs.get(self.metric)
         if value is not None and self.better(value, state.best_metric):
@@ -163,6 +166,7 @@ class Validation(TrainerCallback):
         finally:
             tokenizer.padding_side = side
             model.train(was_training)
+        self.first = flat[::n]
         logs = validation_metrics([flat[i * n:(i + 1) * n] for i in range(len(held.records))], held.score)
         logs[f"{PREFIX}seconds"] = time.perf_counter() - start
         if generator.settings.compile:
@@ -170,6 +174,37 @@ class Validation(TrainerCallback):
         log.info("step %d: validation on %d held-out records x %d: %s (%.1f s)", step, len(held.records), n,
                  {k: round(v, 4) for k, v in logs.items()}, logs[f"{PREFIX}seconds"])
         return logs
+
+
+    def pictures(self) -> list:
+        """The first eval.during_training_pictures held-out records with the current model's box (its first
+        completion at this validation), as vlmexp.pictures draws them."""
+        from vlmexp.pictures import Answer, Shown, record_picture
+
+        count = min(self.cfg.eval.during_training_pictures, len(self.first))
+        if not count:
+            return []
+        rows = self.held_out.score(self.first)[1][:count]
+        return [record_picture(Shown(r["image"], r["task"], r.get("truth", []), str(r["solution"]),
+                                     [Answer(self.stage, r.get("boxes", []), r["answer"], r["score"])]))
+                for r in rows]
+
+
+def log_pictures(pictures: list, step: int) -> None:
+    """Each picture as the MLflow image `validation/record_<i>` at `step` of the stage's run (the run page's
+    image slider steps through them); an unreachable store costs the images."""
+    if not pictures:
+        return
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    try:
+        for i, picture in enumerate(pictures):
+            mlflow.log_image(picture, key=f"validation/record_{i:02d}", step=step)
+    except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
+        log.warning("step %d: validation pictures not logged (%s); training goes on", step,
+                    str(e).splitlines()[0][:300])
 
 
 def share(logs: dict[str, float] | None) -> dict[str, float]:
@@ -203,7 +238,7 @@ def add_validation(trainer, inputs) -> Validation | None:
         raise ConfigError(Problem("export.metric", "", f"export.checkpoint: best is chosen by {metric}, which "
                                   f"validation on these held-out records does not produce ({', '.join(produced)}); "
                                   "set export.metric to a metric of their task", cfg.export.metric))
-    callback = Validation(trainer, cfg, held)
+    callback = Validation(trainer, cfg, held, inputs.stage)
     trainer.add_callback(callback)
     return callback
 
