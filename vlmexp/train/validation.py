@@ -175,7 +175,6 @@ class Validation(TrainerCallback):
                  {k: round(v, 4) for k, v in logs.items()}, logs[f"{PREFIX}seconds"])
         return logs
 
-
     def pictures(self) -> list:
         """The first eval.during_training_pictures held-out records with the current model's box (its first
         completion at this validation), as vlmexp.pictures draws them."""
