@@ -67,7 +67,7 @@ def test_section_checks_and_resolves(tmp_path):
 def test_bucketing_never_changes_a_completion(tiny):
     from vlmexp.generation import Generator, Settings
 
-    cfg, model, processor, family = tiny
+    _, model, processor, family = tiny
     prompts, images = _prompts()
     outputs = {}
     for bucket in (1, 16, 64):
@@ -88,7 +88,7 @@ def test_static_cache_follows_the_autocast_precision(tiny):
 
     from vlmexp.generation import Generator, Settings, make_precise_static_cache
 
-    cfg, model, processor, family = tiny
+    _, model, processor, family = tiny
     prompts, images = _prompts()
     generate = Generator(model, processor, family, Settings(False, "static", 16))
     inputs = processor(text=["x"], return_tensors="pt")
@@ -113,7 +113,7 @@ def test_compiled_generation_matches_eager_and_compiles_once_per_shape(tiny):
     one per decode shape (batch size, cache length), none again for a shape seen before."""
     from vlmexp.generation import Generator, Settings
 
-    cfg, model, processor, family = tiny
+    _, model, processor, family = tiny
     prompts, images = _prompts()
     eager = Generator(model, processor, family, Settings(False, "dynamic", 1))(prompts, images, 8, 0.0, 2)
     compiled = Generator(model, processor, family, Settings(True, "static", 64))
