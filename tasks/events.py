@@ -44,7 +44,7 @@ def emit_pipeline_ended(flow_run, state) -> None:
 
 
 def emit_promoted(promotion, flow_run_id: str) -> None:
-    """`vlmexp.model.promoted` for a version that took the champion alias (vlmexp.export.Promotion)."""
+    """`vlmexp.model.promoted` for a version that took the champion alias (vlmexp.results.Promotion)."""
     emit(MODEL_PROMOTED, "model", promotion.name, promotion.as_dict(), flow_run_id)
 
 

@@ -15,8 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from vlmexp.export import Promotion
-from vlmexp.results import Evaluation, PipelineResult, SampledData, StageResult
+from vlmexp.results import Evaluation, PipelineResult, Promotion, SampledData, StageResult
 
 
 def _key(prefix: str):

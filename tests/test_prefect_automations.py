@@ -92,7 +92,7 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
 
     _fail_a_pipeline_run(tmp_path)
     from tasks.events import emit_promoted
-    from vlmexp.export import Promotion
+    from vlmexp.results import Promotion
 
     emit_promoted(Promotion("vlmexp-demo", "3", "rec_mean_iou", 0.41, "2", 0.35, True, "0.4100 > 0.3500"), "")
     retrains = _new_data_starts_a_retrain(tmp_path)

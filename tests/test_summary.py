@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-from vlmexp.export import Promotion
-from vlmexp.results import Evaluation, PipelineResult, SampledData, StageResult, comparison_table
+from vlmexp.results import Evaluation, PipelineResult, Promotion, SampledData, StageResult, comparison_table
 from vlmexp.summary import render_summary, summary_tags
 
 DATA = SampledData(resolved="o/config.resolved.yaml", train="o/data/train.jsonl", val="o/data/val.jsonl",

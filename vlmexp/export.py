@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config import Config
+from vlmexp.results import Promotion
 
 ALIAS = "champion"
 
@@ -47,21 +47,6 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
             (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
         (tmp / "manifest.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
     return out
-
-
-@dataclass
-class Promotion:
-    name: str
-    version: str
-    metric: str
-    value: float | None
-    champion_version: str | None  # the champion before this decision
-    champion_value: float | None
-    promoted: bool
-    reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def beats(value: float | None, champion_value: float | None, direction: str) -> tuple[bool, str]:

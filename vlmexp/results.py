@@ -7,11 +7,26 @@ flow returns and the summary is built from (`vlmexp.summary`).
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from vlmexp.export import Promotion
+
+@dataclass
+class Promotion:
+    """A registered version and whether it took the champion alias, with the comparison that decided it."""
+    name: str
+    version: str
+    metric: str
+    value: float | None
+    champion_version: str | None  # the champion before this decision
+    champion_value: float | None
+    promoted: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class Result(BaseModel):
