@@ -78,7 +78,7 @@ def build(work: Path, records: int, embedded: int) -> None:
 
 def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
     """One sampling in a fresh process: wall seconds, peak RSS in MiB, rows kept."""
-    script = ("import sys, time, shutil; from pathlib import Path; from vlmexp.config import DataSource; "
+    script = ("import sys, time, shutil; from pathlib import Path; from vlmexp.config.schema import DataSource; "
               "from vlmexp.data.sampling import sample_sources; out = Path(sys.argv[3]); shutil.rmtree(out, True); "
               "t = time.perf_counter(); r = sample_sources([DataSource(json_path=sys.argv[1], "
               "sampling_strategy=sys.argv[2])], out / 'train.jsonl', 1); "

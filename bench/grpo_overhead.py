@@ -63,7 +63,7 @@ def prepare_shared(work: Path) -> tuple[str, str]:
 
 def prompt_template() -> str:
     """vlmexp's grounding prompt for Qwen2.5-VL, so both sides generate from prompts of the same length."""
-    from vlmexp.config import DEFAULT_PROMPT_TEMPLATES, FRAME_HINTS
+    from vlmexp.config.schema import DEFAULT_PROMPT_TEMPLATES, FRAME_HINTS
     from vlmexp.families import get_family
 
     frame = FRAME_HINTS[get_family("qwen2_5_vl").box_frame]
@@ -220,7 +220,7 @@ def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
 
 def vlmexp_config(work: Path, steps: int, extra: tuple[str, ...] = ()):
     """The config `vlmexp train grpo` would load for a bench run in this process (ARGS pinned, no saves)."""
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
 
     os.environ.update(SAMPLED)
     _, overrides = vlmexp_side(work, steps)

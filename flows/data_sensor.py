@@ -27,7 +27,7 @@ def vlm_data_sensor(config: str, overrides: list[str] | None = None) -> bool:
     """Emit `vlmexp.data.changed` when `config`'s data sources changed since the last look; True when it did."""
     from prefect.variables import Variable
 
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
     from vlmexp.pipeline.data_watch import sources_fingerprint
 
     cfg = load_config(config, overrides or [])

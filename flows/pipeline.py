@@ -28,7 +28,7 @@ from tasks.stages import (
     train_stage,
     validate_config,
 )
-from vlmexp.config import TRAINING_STAGES
+from vlmexp.config.schema import TRAINING_STAGES
 from vlmexp.results import PipelineResult  # typed results: light, no torch
 
 

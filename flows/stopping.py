@@ -49,7 +49,7 @@ def mark_killed(resolved: str | None, run_ids: list[str]) -> None:
     if not resolved:
         return
     from vlmexp.pipeline.keys import load_resolved
-    from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.tracking.tracker import make_tracker
 
     tracker = make_tracker(load_resolved(resolved))
     for run_id in run_ids:

@@ -85,8 +85,8 @@ def start_tracking(resolved: str, data_hash: str, flow_run_id: str) -> str:
     """The pipeline's parent MLflow run: flattened config as params, provenance tags, config + manifest."""
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
-    from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.provenance import flatten, redact, redacted_yaml, run_tags
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     tracker = make_tracker(cfg)
@@ -163,8 +163,8 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.report import log_evaluation_run
-    from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.results import comparison_table
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
@@ -186,7 +186,7 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
     """Merge (if LoRA), save a self-contained folder with manifest.json, and log it to the parent run."""
     from vlmexp.export import export_model as export
     from vlmexp.pipeline.keys import load_resolved
-    from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     out = export(cfg, model, Path(cfg.run.output_dir) / "export", provenance, resolved_config=resolved)
@@ -203,8 +203,8 @@ def register_model(resolved: str, key: str, folder: str, parent_run_id: str, met
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.export import register_and_promote
     from vlmexp.pipeline.keys import load_resolved
-    from vlmexp.pipeline.tracker import make_tracker
-    from vlmexp.registration import plan_registration
+    from vlmexp.tracking.registration import plan_registration
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     name = cfg.export.registered_name or cfg.run.name
@@ -230,8 +230,8 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
 
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.report import log_headline
-    from vlmexp.pipeline.tracker import make_tracker
     from vlmexp.summary import render_summary, summary_tags
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(run.data.resolved)
     tracker = make_tracker(cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config_loader import dump_config, load_config
+from vlmexp.config.loader import dump_config, load_config
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_overrides_apply_with_types(tmp_path):
                                                "data.demo.train=9"])
     assert cfg.grpo.args["learning_rate"] == "1e-6"  # raw; TRL pass-through converts it (below)
     assert cfg.run.seed == 7 and cfg.sft.enabled is False and cfg.data.demo.train == 9
-    from vlmexp.trl_args import coerce_trl_args
+    from vlmexp.config.trl_args import coerce_trl_args
 
     converted, problems = coerce_trl_args("grpo", cfg.grpo.args)
     assert problems == [] and converted["learning_rate"] == pytest.approx(1e-6)
@@ -141,21 +141,22 @@ def test_semantic_errors_say_the_fix(tmp_path, body, needle):
 
 
 def test_schema_imports_pydantic_and_the_family_table_only():
-    code = ("import sys, vlmexp.config\n"
+    code = ("import sys, vlmexp.config.schema\n"
             "print(sorted(m for m in sys.modules if m.startswith('vlmexp') or m.split('.')[0] in "
             "('yaml', 'PIL', 'numpy', 'torch', 'trl', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     modules = eval(out.stdout)  # the family table is the families package: its modules import nothing heavy
-    schema = ["vlmexp", "vlmexp.config", "vlmexp.config_base", "vlmexp.config_stages", "vlmexp.families"]
-    assert modules[:5] == schema, modules
-    assert modules[5:] and all(m.startswith("vlmexp.families.") for m in modules[5:]), modules
+    schema = ["vlmexp", "vlmexp.config", "vlmexp.config.base", "vlmexp.config.schema", "vlmexp.config.stages",
+              "vlmexp.families"]
+    assert modules[:6] == schema, modules
+    assert modules[6:] and all(m.startswith("vlmexp.families.") for m in modules[6:]), modules
 
 
 def test_validation_runs_user_code_only_behind_the_switch(tmp_path, monkeypatch, capsys):
     """Config.model_validate and a plain load_config name-check a module:function reward without importing
     it; load_config(import_rewards=True) and `vlmexp validate` import it in a child process."""
     from vlmexp.cli import main
-    from vlmexp.config import Config
+    from vlmexp.config.schema import Config
 
     marker = tmp_path / "imported.txt"
     (tmp_path / "marking_reward.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n"
@@ -230,7 +231,7 @@ def test_validate_cli_exit_codes(tmp_path):
 
 
 def test_docs_config_reference_is_current():
-    from vlmexp.config_reference import REFERENCE_HEADER, render_reference
+    from vlmexp.config.reference import REFERENCE_HEADER, render_reference
 
     text = (REPO / "docs" / "config-reference.md").read_text()
     assert text == REFERENCE_HEADER + render_reference(), (
@@ -239,7 +240,7 @@ def test_docs_config_reference_is_current():
 
 def test_every_config_field_has_a_description():
     """Each field says what it is for (TRL documents every field); docs/config-reference.md shows it."""
-    from vlmexp.config_reference import config_sections
+    from vlmexp.config.reference import config_sections
 
     missing = [f"{name}.{key}".lstrip(".") for name, model in config_sections()
                for key, field in model.model_fields.items() if not (field.description or "").strip()]
@@ -253,7 +254,7 @@ def test_system_metrics_on_a_gpu_without_nvidia_ml_py_are_refused_with_the_fix(m
 
     import torch
 
-    from vlmexp.train.mlflow_run import start_system_metrics
+    from vlmexp.tracking.stage_run import start_system_metrics
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_BATCHES
 
-from vlmexp.config_loader import load_config
-from vlmexp.config_stages import DifficultyFilterConfig
+from vlmexp.config.loader import load_config
+from vlmexp.config.stages import DifficultyFilterConfig
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
 from vlmexp.export import beats, register_and_promote
-from vlmexp.pipeline.tracker import make_tracker
+from vlmexp.tracking.tracker import make_tracker
 
 REPO = Path(__file__).resolve().parents[1]
 COPY = {"mode": "copy"}
@@ -129,7 +129,7 @@ def test_registered_champion_downloads_and_loads(tmp_path, tiny_models, monkeypa
 def test_registration_copies_small_exports_and_references_large_ones(tmp_path):
     """export.registration: auto decides on the folder's size against export.copy_max_gib; copy and reference
     are taken as asked; the plan says why."""
-    from vlmexp.registration import plan_registration
+    from vlmexp.tracking.registration import plan_registration
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     plan = {over: plan_registration(load_config(REPO / "configs/demo.yaml", over, check_paths=False).export, tmp_path)
@@ -200,7 +200,7 @@ def test_beats_explains_itself():
 
 def test_export_metric_must_be_one_evaluation_produces():
     """A typo in export.metric would report "not promoted" forever: refused at config load, with the names."""
-    from vlmexp.config_stages import METRIC_KEYS
+    from vlmexp.config.stages import METRIC_KEYS
     from vlmexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "

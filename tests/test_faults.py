@@ -120,7 +120,7 @@ def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
     import time
     import urllib.request
 
-    from vlmexp.pipeline.tracker import MlflowTracker
+    from vlmexp.tracking.tracker import MlflowTracker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,8 +23,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmexp.config import Config, DataSource
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
+from vlmexp.config.schema import Config, DataSource
 from vlmexp.errors import VlmexpError
 
 BUDGET = settings(max_examples=80, deadline=None, derandomize=True, database=None, print_blob=True,

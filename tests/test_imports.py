@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "vlmexp"
+OURS = ("vlmexp", "flows", "tasks", "prefect")  # the library, the orchestration over it, and Prefect itself
 
 
 def _graph() -> dict[str, set[str]]:
@@ -17,10 +18,10 @@ def _graph() -> dict[str, set[str]]:
         deps = set()
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmexp"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
                 deps.add(node.module)
             elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("vlmexp")}
+                deps |= {a.name for a in node.names if a.name.split(".")[0] in OURS}
         graph[name] = deps
     return graph
 
@@ -56,6 +57,39 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_the_library_has_no_import_cycle():
     graph = _graph()
-    assert {"vlmexp.config_loader", "vlmexp.data.sources", "vlmexp.results"} <= graph.keys()
+    assert {"vlmexp.config.loader", "vlmexp.data.sources", "vlmexp.results"} <= graph.keys()
     cycles = _cycles(graph)
     assert not cycles, f"import cycles between library modules: {cycles}"
+
+
+def _importers(graph: dict[str, set[str]], importer: str, imported: str) -> dict[str, set[str]]:
+    """Each module under `importer` with the modules under `imported` it imports."""
+    def under(name: str, pkg: str) -> bool:
+        return name == pkg or name.startswith(pkg + ".")
+
+    found = {m: {d for d in deps if under(d, imported)} for m, deps in graph.items() if under(m, importer)}
+    return {m: deps for m, deps in found.items() if deps}
+
+
+def test_layers_point_down():
+    """The command line is the one module that reaches into the orchestration (flows/, tasks/, prefect); MLflow
+    tracking serves both the pipeline's process and a stage's and imports neither; a training stage never
+    imports the pipeline's process."""
+    graph = _graph()
+    reach_up = {m: deps for pkg in ("flows", "tasks", "prefect") for m, deps in _importers(graph, "vlmexp", pkg).items()}
+    assert set(reach_up) <= {"vlmexp.cli"}, reach_up
+    assert "vlmexp.cli" in reach_up  # the rule is read from real imports: the command line starts the flow
+    for lower, upper in (("vlmexp.tracking", "vlmexp.pipeline"), ("vlmexp.tracking", "vlmexp.train"),
+                         ("vlmexp.train", "vlmexp.pipeline"), ("vlmexp.config", "vlmexp.train"),
+                         ("vlmexp.config", "vlmexp.pipeline"), ("vlmexp.results", "vlmexp.export")):
+        assert not _importers(graph, lower, upper), (lower, upper, _importers(graph, lower, upper))
+
+
+def test_no_training_stage_imports_another():
+    """SFT, DPO and GRPO each own their stage; what they share (generation, data, callbacks, the stage's set-up)
+    lives below them."""
+    graph = _graph()
+    stages = ("vlmexp.train.sft", "vlmexp.train.dpo", "vlmexp.train.grpo")
+    for stage in stages:
+        others = graph[stage] & (set(stages) - {stage})
+        assert not others, (stage, others)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
 
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
 from vlmexp.errors import ConfigError
 from vlmexp.families import get_family
 
@@ -164,7 +164,7 @@ def test_freezing_and_lora_find_internvls_vision_tower_projector_and_language_mo
     from peft import LoraConfig, get_peft_model
     from transformers import InternVLForConditionalGeneration
 
-    from vlmexp.config_stages import LM_LORA_TARGETS
+    from vlmexp.config.stages import LM_LORA_TARGETS
     from vlmexp.modeling import freeze
 
     model = InternVLForConditionalGeneration.from_pretrained(tiny_models["internvl"])

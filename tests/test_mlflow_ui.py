@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect_server import free_port, stop, wait_http
 
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -63,7 +63,7 @@ def _picture(tmp_path: Path) -> Path:
 
 
 def test_a_grpo_run_page_opens_on_the_reward_and_the_evaluation_metric(tmp_path):
-    from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD, make_tracker
+    from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD, make_tracker
 
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"], check_paths=False)
     tracker = make_tracker(cfg)

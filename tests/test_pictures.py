@@ -55,9 +55,9 @@ def _logged(tmp_path: Path, evaluations, pictures: int = 16):
     """(client, eval run id, parent run id) after the evaluation report logged to a fresh sqlite store."""
     from mlflow.tracking import MlflowClient
 
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
     from vlmexp.pipeline.report import log_evaluation_run
-    from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_config(Path(__file__).parents[1] / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'run'}"],
                       check_paths=False)

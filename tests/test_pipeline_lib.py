@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
 from vlmexp.pipeline.keys import claim_stage_dir, read_key, stage_done, stage_key
 from vlmexp.pipeline.processes import StageFailed, run_streaming
 from vlmexp.pipeline.steps import remote_result, write_result
-from vlmexp.pipeline.tracker import NullTracker, make_tracker, sanitize_metric_name, ui_address
 from vlmexp.provenance import flatten
 from vlmexp.results import StageResult
+from vlmexp.tracking.tracker import NullTracker, make_tracker, sanitize_metric_name, ui_address
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs/demo.yaml"

@@ -123,7 +123,7 @@ def test_giou_reward_by_hand():
 def test_evaluation_scores_with_the_configured_rewards():
     """Evaluation builds its scorers with build_reward from grpo.rewards: a boxed-style format reward in the
     config is the format evaluation measures (the metric names stay)."""
-    from vlmexp.config_stages import RewardSpec
+    from vlmexp.config.stages import RewardSpec
     from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 

@@ -7,8 +7,8 @@ import pytest
 from conftest import make_png, write_json, write_jsonl
 
 from vlmexp.cli import main
-from vlmexp.config import DataSource
-from vlmexp.config_stages import SFTStageConfig
+from vlmexp.config.schema import DataSource
+from vlmexp.config.stages import SFTStageConfig
 from vlmexp.data.record import SampledRecord, read_sampled
 from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
@@ -82,7 +82,7 @@ def test_target_template_is_checked_by_the_schema(template, needle):
 def test_sft_refuses_before_any_step(tmp_path, tiny_models, sampled, capsys):
     """`vlmexp train sft` on EasyR1 records: refused with the source, the task and the fix; nothing trained.
     With sft.target_template the SFT dataset holds the template's text."""
-    from vlmexp.config import DataConfig
+    from vlmexp.config.schema import DataConfig
     from vlmexp.train.data import build_dataset
 
     source = sampled["easyr1"][0].source

@@ -18,7 +18,7 @@ import yaml
 from conftest import make_png, write_json
 from test_data_sources import geometry3k_dataset
 
-from vlmexp.config import DataSource
+from vlmexp.config.schema import DataSource
 from vlmexp.data.record import columns_of, content_sha256, read_sampled
 from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
@@ -140,10 +140,10 @@ def _assert_each_saw_its_own(seen: list[dict], records) -> None:
 def test_dpo_sample_scoring_and_evaluation_pass_the_source_columns(sources, tmp_path, columns_file):
     """DPO's sample scoring (and the difficulty filter, which scores through it) and evaluation's scoring (and
     validation's, the same function) give a `module:function` reward the source's columns."""
-    from vlmexp.config_stages import RewardSpec
+    from vlmexp.config.stages import RewardSpec
     from vlmexp.evaluate import score_records
-    from vlmexp.rewards_loader import build_reward
     from vlmexp.generation import score_group
+    from vlmexp.rewards_loader import build_reward
 
     records = _sample(tmp_path, sources)
     reward = build_reward(REWARD, {}, "pixels", None)
@@ -207,7 +207,7 @@ def test_a_column_json_cannot_hold_is_refused_and_an_image_column_left_out(tmp_p
 def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_path, tiny_models, columns_file):
     """A real GRPO step on the three sources at once (every prompt in the step), then `vlmexp eval` on them: the
     `module:function` reward receives each record's own columns, and its score (1.0 where it did) is logged."""
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
     from vlmexp.train.grpo import run_grpo
 
     data = tmp_path / "data.yaml"
@@ -244,7 +244,7 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
 def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_path):
     """GRPO's dataset is Arrow, as TRL's: one source's `difficulty: 1` and another's `difficulty: "hard"` cannot be one
     column; refused naming it, before any model loads."""
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
     from vlmexp.families import get_family
     from vlmexp.train.data import build_dataset
 

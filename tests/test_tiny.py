@@ -9,7 +9,6 @@ import pytest
 from vlmexp.families import FAMILIES, detect_family
 from vlmexp.processor import load_processor
 
-
 IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -69,7 +68,7 @@ def test_tiny_model_is_deterministic_and_refuses_overwrite(tmp_path, tiny_models
 
 
 def test_tiny_path_in_config_builds_once(tmp_path):
-    from vlmexp.config import ModelConfig
+    from vlmexp.config.schema import ModelConfig
     from vlmexp.modeling import resolve_model
 
     cfg = ModelConfig(path="tiny:qwen2_vl")

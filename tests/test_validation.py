@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
 from test_flow import prefect  # noqa: F401 - the module-scoped Prefect test harness
 
-from vlmexp.config_loader import load_config
+from vlmexp.config.loader import load_config
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

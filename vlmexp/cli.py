@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from vlmexp.config import TRAINING_STAGES
+from vlmexp.config.schema import TRAINING_STAGES
 from vlmexp.errors import Problem, VlmexpError
 from vlmexp.families import BUDGET_KNOBS, FAMILIES, get_family
 from vlmexp.families.qwen import RELEASED_PIXELS
@@ -24,7 +24,7 @@ def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> No
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths, import_rewards=True)
     print(f"{args.config}: ok (model {cfg.model.path}, output_dir {cfg.run.output_dir})")
@@ -32,7 +32,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from vlmexp.path_checks import check_output_dir
+    from vlmexp.config.path_checks import check_output_dir
     from vlmexp.tiny import make_tiny_model
 
     check_arguments("make-tiny-model", ("DIR", args.dir, check_output_dir(args.dir)))
@@ -42,8 +42,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
+    from vlmexp.config.path_checks import check_output_dir
     from vlmexp.data.demo import Annotator, Scenes, make_demo_data
-    from vlmexp.path_checks import check_output_dir
 
     counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
               for k in ("train", "val")]
@@ -64,9 +64,9 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    from vlmexp.config.path_checks import check_output_file
     from vlmexp.data.sampling import format_report, sample_sources
     from vlmexp.data.sources import load_data_yaml
-    from vlmexp.path_checks import check_output_file
 
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
@@ -121,10 +121,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Generate on the config's held-out records with CHECKPOINT and print the metrics as JSON."""
     import json
 
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
+    from vlmexp.config.path_checks import check_checkpoint, check_output_dir
     from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import check_sampled_records, evaluate
-    from vlmexp.path_checks import check_checkpoint, check_output_dir
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     check_arguments("eval", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
@@ -145,9 +145,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
     import json
 
+    from vlmexp.config.path_checks import check_output_file
     from vlmexp.evaluate import score_predictions
     from vlmexp.files import atomic_write
-    from vlmexp.path_checks import check_output_file
 
     knobs = {k: getattr(args, k) for k in BUDGET_KNOBS if getattr(args, k) is not None}
     root = args.image_root
@@ -156,7 +156,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
     cfg = None
     if args.config:
-        from vlmexp.config_loader import load_config
+        from vlmexp.config.loader import load_config
 
         cfg = load_config(args.config, [])
     metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root, args.prefilled_think,
@@ -195,9 +195,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export CHECKPOINT (a model folder or LoRA adapter) as one folder that loads in plain transformers."""
     import tempfile
 
-    from vlmexp.config_loader import dump_config, load_config
+    from vlmexp.config.loader import dump_config, load_config
+    from vlmexp.config.path_checks import (
+        check_checkpoint,
+        check_output_dir,
+        check_replaceable_folder,
+        data_paths,
+    )
     from vlmexp.export import export_model
-    from vlmexp.path_checks import check_checkpoint, check_output_dir, check_replaceable_folder, data_paths
     from vlmexp.provenance import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
@@ -218,8 +223,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     """The MLflow UI for a run's store, bound to 127.0.0.1, in its low-memory form."""
     import os
 
-    from vlmexp.config_loader import load_config
-    from vlmexp.pipeline.tracker import store_uri, ui_address
+    from vlmexp.config.loader import load_config
+    from vlmexp.tracking.tracker import store_uri, ui_address
 
     cfg = load_config(args.config, [], check_paths=False, check_trl=False) if args.config else None
     uri = store_uri(cfg) if cfg else args.store
@@ -238,9 +243,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    from vlmexp.config_loader import load_config
+    from vlmexp.config.loader import load_config
+    from vlmexp.config.path_checks import check_checkpoint
     from vlmexp.launch import is_launched_process, stage_command
-    from vlmexp.path_checks import check_checkpoint
 
     # a dry run works from any machine: no paths probed, no reward module imported
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run, import_rewards=not args.dry_run)
@@ -279,7 +284,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    from vlmexp.config_reference import REFERENCE_HEADER, render_reference
+    from vlmexp.config.reference import REFERENCE_HEADER, render_reference
 
     if args.write is None:
         print(render_reference(), end="")
@@ -308,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
     p.add_argument("dir")
-    from vlmexp.config import DemoDataConfig  # light: the defaults live there once (data.demo's)
+    from vlmexp.config.schema import DemoDataConfig  # light: the defaults live there once (data.demo's)
 
     demo = DemoDataConfig()
     p.add_argument("--train", type=int, default=demo.train)

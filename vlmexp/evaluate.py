@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.errors import short
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.results import Promotion
 
 ALIAS = "champion"
@@ -27,7 +27,7 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
     from vlmexp.files import new_folder
     from vlmexp.modeling import adapter_base, load_for_inference
     from vlmexp.provenance import redacted_yaml
-    from vlmexp.registration import plan_registration
+    from vlmexp.tracking.registration import plan_registration
 
     out = Path(out_dir)
     base = adapter_base(model_path)
@@ -41,7 +41,7 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
             processor.save_pretrained(str(tmp))
         full = {"source": str(model_path), "merged_lora": base is not None and cfg.export.merge_lora,
                 "adapter_base": base, **manifest}
-        full["registration"] = plan_registration(cfg.export, tmp)  # copy or reference (vlmexp/registration.py)
+        full["registration"] = plan_registration(cfg.export, tmp)  # copy or reference (vlmexp/tracking/registration.py)
         if resolved_config:
             full["config_sha256"] = hashlib.sha256(Path(resolved_config).read_bytes()).hexdigest()
             (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
@@ -65,7 +65,7 @@ def register_and_promote(tracker, run_id: str, folder: str | Path, name: str, me
                          value: float | None, direction: str, *, registration: dict[str, Any],
                          metrics: dict[str, Any] | None = None, dataset: str | Path | None = None) -> Promotion:
     """Register `folder` as a new version of `name`, by copy or by reference as `registration` (the export
-    manifest's plan, `vlmexp.registration`) says; give it the champion alias only if it beats the current
+    manifest's plan, `vlmexp.tracking.registration`) says; give it the champion alias only if it beats the current
     champion on `metric` (the value is stored on each version as tag `metric.<metric>`). The folder is a logged
     model of `run_id` holding its evaluation `metrics` (on the `dataset` manifest's data)."""
     tags = {"metric_name": metric, "direction": direction, "mlflow_run_id": run_id,

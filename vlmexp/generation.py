@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vlmexp.config import Config
-    from vlmexp.config_stages import GenerationConfig
+    from vlmexp.config.schema import Config
+    from vlmexp.config.stages import GenerationConfig
     from vlmexp.data.record import SampledRecord
 
 log = logging.getLogger("vlmexp.generation")

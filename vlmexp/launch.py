@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vlmexp.config import LaunchConfig
+from vlmexp.config.schema import LaunchConfig
 
 
 def _tool(name: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import FRAME_HINTS, DataConfig
+from vlmexp.config.schema import FRAME_HINTS, DataConfig
 from vlmexp.coords import format_box, to_frame
 from vlmexp.data.formats import ANSWER_TEXT
 from vlmexp.data.record import SampledRecord, read_sampled

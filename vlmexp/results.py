@@ -157,7 +157,7 @@ class PipelineResult(Result):
 
 def comparison_table(evaluations: list[Evaluation]) -> list[dict[str, Any]]:
     """One row per evaluated model: its name and its metrics (config.METRIC_KEYS present), rounded to 4 places."""
-    from vlmexp.config_stages import METRIC_KEYS
+    from vlmexp.config.stages import METRIC_KEYS
 
     return [{"model": e.name, **{k: round(e.metrics[k], 4) for k in METRIC_KEYS if k in e.metrics}}
             for e in evaluations]

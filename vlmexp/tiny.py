@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict
 
-from vlmexp.config import TinyModelConfig
+from vlmexp.config.schema import TinyModelConfig
 from vlmexp.families import Family, get_family
 from vlmexp.files import new_folder
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from vlmexp.config import DemoDataConfig, check_scene_range
+from vlmexp.config.schema import DemoDataConfig, check_scene_range
 from vlmexp.files import new_folder
 
 _DEFAULTS = {name: field.default for name, field in DemoDataConfig.model_fields.items()}  # the defaults live there

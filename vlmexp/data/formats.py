@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmexp.config import TASKS
+from vlmexp.config.schema import TASKS
 from vlmexp.coords import parse_box
 from vlmexp.data.turns import Conversation, Tags, Turn, answer_text, conversation, read_turns, text_of
 

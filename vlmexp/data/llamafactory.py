@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import DataSource
+from vlmexp.config.schema import DataSource
 from vlmexp.data.turns import Tags
 from vlmexp.errors import DataError, Problem
 

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmexp.config import Config, DataSource
+from vlmexp.config.schema import Config, DataSource
 from vlmexp.data.record import SCHEMA_VERSION, content_sha256, read_sampled
 from vlmexp.data.sampling import SampleResult, sample_sources
 from vlmexp.data.sources import glob_paths, load_data_yaml, locate, resolve_relative, sha256_file

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import DataSource
+from vlmexp.config.schema import DataSource
 from vlmexp.data import llamafactory
 from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE, detect_format, no_format
 from vlmexp.data.images import ImageStore

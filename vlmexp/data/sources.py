@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from vlmexp.config import DataSource
+from vlmexp.config.schema import DataSource
 from vlmexp.data.tables import (
     DatasetTable,
     JsonListTable,
@@ -271,7 +271,7 @@ def own_name_problem(name: str) -> str | None:
 
 def load_data_yaml(path: str | Path) -> list[DataSource]:
     """The `datasets:` entries of a VLM-R1 data YAML; relative paths resolve against the YAML's folder."""
-    from vlmexp.yaml_reader import YamlProblems, read_yaml_mapping
+    from vlmexp.config.yaml_reader import YamlProblems, read_yaml_mapping
 
     p = Path(path)
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 BoxFrame = Literal["pixels", "grid1000"]
-# The image-budget fields of `model` (vlmexp.config.ModelConfig); each family reads some of them
+# The image-budget fields of `model` (vlmexp.config.schema.ModelConfig); each family reads some of them
 BUDGET_KNOBS = ("min_pixels", "max_pixels", "min_patches", "max_patches")
 
 

@@ -70,7 +70,7 @@ class JudgeReward(ModelReward):
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        from vlmexp.config_base import check_template
+        from vlmexp.config.base import check_template
 
         problems = []
         if not isinstance(self.model, str) or not self.model:

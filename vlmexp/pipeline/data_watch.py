@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 
 
 def sources_fingerprint(cfg: Config) -> str:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmexp.pipeline.tracker import NullTracker
+from vlmexp.tracking.tracker import NullTracker
 
 
 def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]],
@@ -43,7 +43,7 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
 def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
     """The parent run's first charts (`tracker.HEADLINE`): `metric` of the newest model, and the reward (GRPO) or
     reward margin (DPO) of the last such stage at its last step. `run`: vlmexp.results.PipelineResult."""
-    from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD
+    from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD
 
     values = {f"{HEADLINE}/{metric}": run.metrics()[metric]} if metric in run.metrics() else {}
     rewarded = [s for s in run.trained if s.stage in HEADLINE_REWARD]

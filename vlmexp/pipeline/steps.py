@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from vlmexp.path_checks import KEY_FILE
+from vlmexp.config.path_checks import KEY_FILE
 from vlmexp.pipeline.keys import claim_stage_dir, load_resolved
 from vlmexp.pipeline.processes import StageFailed, StageInterrupted, run_streaming, stage_env
 from vlmexp.results import Evaluation, Result, StageResult
@@ -32,7 +32,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.launch import stage_command
     from vlmexp.pipeline.report import curve_keys, plot_curves
-    from vlmexp.pipeline.tracker import make_tracker
+    from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
     stage_dir = Path(cfg.run.output_dir) / stage

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import DataConfig
+from vlmexp.config.schema import DataConfig
 from vlmexp.data.record import read_sampled, reward_columns, source_column_names
 from vlmexp.families import Family
 from vlmexp.prompts import build_prompt, load_images, target_text

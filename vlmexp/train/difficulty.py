@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config_stages import DifficultyFilterConfig
+from vlmexp.config.stages import DifficultyFilterConfig
 
 log = logging.getLogger("vlmexp.train")
 SUMMARY_FILE = "difficulty.json"

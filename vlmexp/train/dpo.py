@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.train.stage import StageInputs, load_model, prepare_stage, train_and_save, trl_args
 
 log = logging.getLogger("vlmexp.train")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.train.stage import load_model, prepare_stage, train_and_save, trl_args
 
 

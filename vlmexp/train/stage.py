@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config
-from vlmexp.config_stages import StageConfig
+from vlmexp.config.path_checks import KEY_FILE
+from vlmexp.config.schema import Config
+from vlmexp.config.stages import StageConfig
 from vlmexp.families import Family
 from vlmexp.files import made_by_vlmexp, mark_folder
-from vlmexp.path_checks import KEY_FILE
-from vlmexp.train.mlflow_run import StageRun, close_stage_run, open_stage_run
+from vlmexp.tracking.stage_run import StageRun, close_stage_run, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
 
@@ -89,7 +89,7 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
     """The stage's TRL config: the user's args plus what the pipeline owns (output, seed, tracking, DeepSpeed)."""
     import warnings
 
-    from vlmexp.trl_args import build_trl_config
+    from vlmexp.config.trl_args import build_trl_config
 
     # TRL 1.16 switches activation checkpointing off and on (around each GRPO generation, DPO's reference
     # pass) through the model methods transformers 5 renamed (trl.models.utils.disable_gradient_checkpointing):
@@ -148,15 +148,15 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
 
     validation = add_validation(trainer, inputs)  # eval.every_steps; refuses what it cannot run before any step
     if inputs.resume_from and run is not None:
+        from vlmexp.tracking.stage_run import last_logged_step
         from vlmexp.train.callbacks import SkipLoggedSteps
-        from vlmexp.train.mlflow_run import last_logged_step
 
         last = last_logged_step(run.uri, run.run_id)
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
     models = None
     if run is not None:  # each checkpoint and final/ as a logged model of the run; the reward's headline chart
-        from vlmexp.train.mlflow_callbacks import CheckpointModels, HeadlineMetrics
+        from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics
 
         trainer.add_callback(models := CheckpointModels(run))
         trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback

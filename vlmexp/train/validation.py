@@ -37,7 +37,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.generation import CompileCount
 
 log = logging.getLogger("vlmexp.train")

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config_stages import ExportConfig
+from vlmexp.config.stages import ExportConfig
 from vlmexp.errors import ConfigError, Problem
 
 GIB = 2**30

@@ -1,5 +1,5 @@
 """What every section of the config tree shares: the strict base model (unknown keys and NaN refused) and
-the check of a `str.format` template's fields. Part of the pure schema (see `vlmexp.config`)."""
+the check of a `str.format` template's fields. Part of the pure schema (see `vlmexp.config.schema`)."""
 
 from __future__ import annotations
 

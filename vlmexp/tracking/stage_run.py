@@ -8,10 +8,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.errors import ConfigError, Problem
-from vlmexp.pipeline.tracker import make_tracker
 from vlmexp.provenance import run_tags
+from vlmexp.tracking.tracker import make_tracker
 
 log = logging.getLogger("vlmexp.tracking")
 

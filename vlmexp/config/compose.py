@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vlmexp.config.yaml_reader import Loc, YamlProblems, read_yaml_mapping
 from vlmexp.errors import ConfigError, Problem, short
-from vlmexp.yaml_reader import Loc, YamlProblems, read_yaml_mapping
 
 EXTENDS = "extends"
 EXPECTED = "a config's sections (run, model, data, ...) or a data YAML's `datasets:` list"

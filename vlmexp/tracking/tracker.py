@@ -3,7 +3,7 @@ stage, registered models and their champion alias.
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
 in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
-and makes it its active run in the config's store (`vlmexp.train.mlflow_run`), where transformers'
+and makes it its active run in the config's store (`vlmexp.tracking.stage_run`), where transformers'
 MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 from vlmexp.provenance import SECRET_NAME, source_tags
 
 log = logging.getLogger("vlmexp.tracking")
@@ -202,13 +202,13 @@ class MlflowTracker(NullTracker):
                        registration: Mapping[str, Any] | None = None) -> str:
         """Log `folder` as a logged model of run `run_id`, with its evaluation `metrics` (`eval/<metric>`, on the
         `dataset` manifest's data), and register that model as a new version of `name`. `registration` (mode
-        copy or reference, `vlmexp.registration`): copied, the model holds the files and the version's source is
+        copy or reference, `vlmexp.tracking.registration`): copied, the model holds the files and the version's source is
         `models:/<model_id>`; by reference, the model is external and the version points at the files where
         they stay (`reference_target`)."""
         from mlflow.exceptions import MlflowException
 
-        from vlmexp.pipeline.logged_models import log_export_model, register_version
-        from vlmexp.registration import reference_target
+        from vlmexp.tracking.logged_models import log_export_model, register_version
+        from vlmexp.tracking.registration import reference_target
 
         if not registration or registration.get("mode") not in ("copy", "reference"):
             raise ValueError(f"registration of {folder} must say mode copy or reference, not {registration!r}")
@@ -232,7 +232,7 @@ class MlflowTracker(NullTracker):
         folder no run logged as a model (the base model) is left out. Returns the ids."""
         from mlflow.entities import LoggedModelInput
 
-        from vlmexp.pipeline.logged_models import STEP_TAG, find_model, log_model_metrics
+        from vlmexp.tracking.logged_models import STEP_TAG, find_model, log_model_metrics
 
         ids = []
         for folder, metrics in models.items():

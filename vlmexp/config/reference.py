@@ -10,14 +10,14 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from vlmexp.config import Config
+from vlmexp.config.schema import Config
 
 
 def _type_name(annotation) -> str:
     text = str(annotation).replace("typing.", "")
     if isinstance(annotation, type) and not typing.get_args(annotation):
         text = annotation.__name__
-    text = re.sub(r"vlmexp\.config(_\w+)?\.", "", text)  # the schema's modules: config, config_stages, config_base
+    text = re.sub(r"vlmexp\.config\.\w+\.", "", text)  # the schema's modules: config.schema, .stages, .base
     text = re.sub(r"Annotated\[int, Gt\(gt=0\)\]", "int > 0", text)
     text = re.sub(r"Optional\[(.*)\]$", r"\1 | None", text)
     return text.replace("|", "\\|")

@@ -1,5 +1,5 @@
 """The config sections of the training stages and what follows them: SFT, DPO (with its preference pairs) and GRPO
-(with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see `vlmexp.config`,
+(with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see `vlmexp.config.schema`,
 whose root `Config` holds these sections): pydantic only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-from vlmexp.config_base import Section, check_template
+from vlmexp.config.base import Section, check_template
 
 TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
 

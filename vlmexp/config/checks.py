@@ -1,4 +1,4 @@
-"""The config loader's check phase: what the pure schema (`vlmexp.config`) leaves to other modules.
+"""The config loader's check phase: what the pure schema (`vlmexp.config.schema`) leaves to other modules.
 
 Each check returns (location in the config, value, problem) triples; `load_config` turns the location into
 the file:line (or override) that set it. Two kinds:
@@ -9,7 +9,7 @@ the file:line (or override) that set it. Two kinds:
   validated config) checks what one section asks of another, naming the field that asks.
 - The checks with side effects run only when the loader is asked to: `check_trl_config` builds TRL's argument
   classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child process
-  (its top-level code runs there), and `vlmexp.path_checks` probes the file system.
+  (its top-level code runs there), and `vlmexp.config.path_checks` probes the file system.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from vlmexp.config import TRAINING_STAGES, Config, DataSource
-from vlmexp.config_stages import RewardSpec
+from vlmexp.config.schema import TRAINING_STAGES, Config, DataSource
+from vlmexp.config.stages import RewardSpec
 
 Loc = tuple[str | int, ...]
 Found = tuple[Loc, Any, str]  # (location in the config, value, problem with its fix)
@@ -126,8 +126,8 @@ def check_reward_imports(cfg: Config) -> list[Found]:
 
 
 def check_trl_config(cfg: Config) -> list[Found]:
-    """Build each training stage's TRL config class from its `args` (`vlmexp.trl_args.check_trl_args`)."""
-    from vlmexp.trl_args import check_trl_args
+    """Build each training stage's TRL config class from its `args` (`vlmexp.config.trl_args.check_trl_args`)."""
+    from vlmexp.config.trl_args import check_trl_args
 
     out: list[Found] = []
     for stage in TRAINING_STAGES:

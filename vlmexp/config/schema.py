@@ -2,16 +2,16 @@
 
 The schema is pure: it imports pydantic and the family table only, and validating it (`Config.model_validate`)
 runs no user code and reads no file. It spans three modules: this one (the root `Config` and the run, model,
-data, tracking, pipeline and launch sections), `vlmexp.config_stages` (the training stages, evaluation and
-export) and `vlmexp.config_base` (what every section shares). What needs other modules or has side effects
+data, tracking, pipeline and launch sections), `vlmexp.config.stages` (the training stages, evaluation and
+export) and `vlmexp.config.base` (what every section shares). What needs other modules or has side effects
 (registered reward names, sampling strategies, a source's `columns`, importing a `module:function` reward,
-probing paths, building TRL's argument classes) is the loader's check phase (`vlmexp.config_checks`, run by
+probing paths, building TRL's argument classes) is the loader's check phase (`vlmexp.config.checks`, run by
 `load_config`).
 
 Relative paths in a config resolve against the working directory the command runs in (the repository
 root for the shipped configs). Training arguments that TRL defines are not restated here: `sft.args`
 and `grpo.args` pass through to `trl.SFTConfig` / `trl.GRPOConfig` and are validated by building them
-(see `vlmexp.config_loader.check_trl_args`).
+(see `vlmexp.config.loader.check_trl_args`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
-from vlmexp.config_base import Section, check_template
+from vlmexp.config.base import Section, check_template
 
 # Imported for Config's fields only, not re-exported: every module imports a stage section from
-# vlmexp.config_stages, where it is defined, so each name has one import path.
-from vlmexp.config_stages import (
+# vlmexp.config.stages, where it is defined, so each name has one import path.
+from vlmexp.config.stages import (
     DPOStageConfig,
     EvalConfig,
     ExportConfig,
@@ -247,7 +247,7 @@ class DataConfig(Section):
     prompt_templates: dict[Task, str] = Field(
         default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES),
         description="The user prompt per task (rec, math, exact, detection), with {problem} and, for rec and "
-                    "detection, {frame} (the family's box frame); tasks not given keep the default (vlmexp.config.DEFAULT_PROMPT_TEMPLATES).")
+                    "detection, {frame} (the family's box frame); tasks not given keep the default (vlmexp.config.schema.DEFAULT_PROMPT_TEMPLATES).")
 
     @field_validator("prompt_templates")
     @classmethod

@@ -1,5 +1,5 @@
 """What a stage process adds to its MLflow run beyond transformers' MLflowCallback: each checkpoint and the
-final model as a logged model of the run (`vlmexp.pipeline.logged_models`; a checkpoint rotated away is
+final model as a logged model of the run (`vlmexp.tracking.logged_models`; a checkpoint rotated away is
 removed from the Models tab), and the reward under the name
 that opens the run page (`HeadlineMetrics`). Only the process that holds the run (global rank 0) adds these
 callbacks; an unreachable store costs the models' entries, never the training."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from vlmexp.train.mlflow_run import StageRun
+from vlmexp.tracking.stage_run import StageRun
 
 log = logging.getLogger("vlmexp.train")
 
@@ -43,7 +43,7 @@ class CheckpointModels(TrainerCallback):
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from vlmexp.pipeline.logged_models import forget_rotated_checkpoints, log_folder_model
+        from vlmexp.tracking.logged_models import forget_rotated_checkpoints, log_folder_model
 
         try:
             mlflow.flush_async_logging()  # this step's metrics, queued by MLflowCallback, are in the store
@@ -63,11 +63,11 @@ class CheckpointModels(TrainerCallback):
 
 class HeadlineMetrics(TrainerCallback):
     """The stage's reward, also as `Summary/reward` (GRPO) or `Summary/reward_margin` (DPO): the first chart of the
-    run page (vlmexp.pipeline.tracker.HEADLINE). It runs before MLflowCallback and adds the key to what that
+    run page (vlmexp.tracking.tracker.HEADLINE). It runs before MLflowCallback and adds the key to what that
     logs; trainer_state.json keeps the Trainer's own keys only."""
 
     def __init__(self, stage: str):
-        from vlmexp.pipeline.tracker import HEADLINE, HEADLINE_REWARD
+        from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD
 
         key, name = HEADLINE_REWARD.get(stage, (None, None))
         self.key, self.name = key, f"{HEADLINE}/{name}"

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config import Config, DataSource
+from vlmexp.config.schema import Config, DataSource
 from vlmexp.errors import DataError, short
 from vlmexp.families import TINY_PREFIX
 
@@ -73,7 +73,7 @@ def check_config_paths(cfg: Config) -> list[Found]:
     if msg := check_output_dir(cfg.run.output_dir):
         out.append((("run", "output_dir"), cfg.run.output_dir, msg))
     else:
-        from vlmexp.config import TRAINING_STAGES
+        from vlmexp.config.schema import TRAINING_STAGES
 
         for stage in TRAINING_STAGES:
             if getattr(cfg, stage).enabled and (msg := foreign_stage_dir(Path(cfg.run.output_dir) / stage)):
