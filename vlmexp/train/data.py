@@ -41,7 +41,8 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
         else:
             row.update(reward_columns(record, names))
         rows.append(row)
-    check_column_types(path, rows, names)
+    if stage != "sft":  # SFT's rows hold no reward columns
+        check_column_types(path, rows, names)
     return Dataset.from_list(rows)
 
 
