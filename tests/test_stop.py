@@ -145,6 +145,53 @@ def test_a_second_ctrl_c_kills_at_once_what_the_first_asked_to_stop(tmp_path):
         raise
 
 
+CLOSING = textwrap.dedent("""
+    import sys, time
+    from vlmexp import cli
+    from vlmexp.pipeline import processes
+
+    def fake_run(args):  # a stage, then what the pipeline does once it was stopped: close its runs (a while)
+        try:
+            processes.run_streaming([sys.executable, "-c", "import time; print('started', flush=True); "
+                                     "time.sleep(600)"], {}, lambda line: print(line, flush=True))
+        except processes.StageInterrupted:
+            print("closing", flush=True)
+            time.sleep(3)
+            print("closed", flush=True)
+            raise
+
+    cli.cmd_validate = fake_run
+    sys.exit(cli.main(["validate", "x.yaml"]))
+""")
+
+
+@pytest.mark.parametrize("signals, closed", [(2, True), (3, False)])
+def test_a_second_ctrl_c_lets_the_stop_be_recorded_and_a_third_leaves_at_once(tmp_path, signals, closed):
+    """Ctrl-C twice, the second after the stage has stopped: the run's records are still closed (a Prefect flow
+    run Cancelled, not Crashed by an interrupt in the middle); a third Ctrl-C leaves without waiting."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(CLOSING)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+                            bufsize=1)
+    try:
+        assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.poll() is not None else ""
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+        shown = list(iter(proc.stdout.readline, "closing\n"))  # the stage's last lines (its KeyboardInterrupt)
+        assert proc.poll() is None and "started\n" not in shown, shown
+        for _ in range(signals - 1):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.2)
+        assert proc.wait(timeout=20) == 130
+        out, err = proc.communicate()
+        assert ("closed\n" in out) is closed, (out, err)
+        assert "a further signal leaves without" in err
+        assert "stopped by Ctrl-C; run the same command again to resume" in err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():
     from tasks.stages import retry_unless_bad_input
     from vlmexp.pipeline.processes import StageFailed, StageInterrupted, run_streaming

@@ -427,17 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
-    from vlmexp.pipeline.processes import STOP_SIGNALS, StageInterrupted, note_stop, stop_signal, stopped_by
+    from vlmexp.pipeline.processes import (STOP_SIGNALS, StageInterrupted, stop_outside_a_stage, stop_signal,
+                                           stopped_by)
 
-    def stop(signum, frame):  # SIGTERM and SIGHUP stop a command as Ctrl-C does: its stage processes are stopped too
-        note_stop(signum)
-        raise KeyboardInterrupt(f"signal {signum}")
-
+    # SIGTERM and SIGHUP stop a command as Ctrl-C does: its stage processes are stopped too
     # handlers only go to the main thread. SIGINT is taken even when it came ignored (a background job of a
     # script), as torchrun takes it; a SIGHUP ignored on purpose (nohup) stays ignored
     taken = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, stop) for s in taken} if main_thread else {}
+    previous = {s: signal.signal(s, stop_outside_a_stage) for s in taken} if main_thread else {}
     try:
         return args.func(args)
     except (KeyboardInterrupt, StageInterrupted) as e:

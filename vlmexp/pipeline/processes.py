@@ -53,6 +53,18 @@ def stop_signal() -> int | None:
     return _stops[0] if _stops else None
 
 
+def stop_outside_a_stage(signum: int, frame) -> None:
+    """The command's handler for a stop signal where no stage runs: the first raises KeyboardInterrupt (the
+    pipeline closes its runs and exits 128 + the signal). A second one, typically a double Ctrl-C that came
+    while the stage was being stopped, lets that closing finish (a second or so: the Prefect flow run Cancelled,
+    the MLflow runs KILLED) instead of breaking into it and leaving the run Crashed; a third raises anyway."""
+    note_stop(signum)
+    if len(_stops) == 2:
+        os.write(2, b"stopping: recording the stop in Prefect and MLflow; a further signal leaves without\n")
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def stopped_by(signum: int | None) -> str:
     """How a stop is named to the user: Ctrl-C for SIGINT, else the signal's name."""
     return STOP_SIGNALS.get(signum or signal.SIGINT, f"signal {signum}")
