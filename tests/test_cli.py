@@ -103,3 +103,46 @@ def test_prefect_setup_refuses_without_a_server_and_below_prefects_heartbeat(tmp
                            env={**env, "PREFECT_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"})
     assert short.returncode == 2 and "--heartbeat-seconds 10: Prefect sends flow-run heartbeats at most every 30 s" \
         in short.stderr
+
+
+COUNT_TRL_CONFIGS = """
+import json, sys, trl
+from vlmexp.cli import main
+
+built = {}
+for cls in (trl.SFTConfig, trl.DPOConfig, trl.GRPOConfig):
+    def counted(self, *args, _init=cls.__init__, _name=cls.__name__, **kwargs):
+        built[_name] = built.get(_name, 0) + 1
+        _init(self, *args, **kwargs)
+    cls.__init__ = counted
+rc = main(["train", "sft", "--config", sys.argv[1], "--in-process"])
+print(json.dumps(built))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow  # one SFT step in a subprocess
+def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_path):
+    """The pipeline starts every rank of a stage with the run's resolved config, whose TRL args it checked when
+    it wrote it: the stage process builds its own TRL config once and no other; a resolved config edited by
+    hand is still refused before the model loads, naming the field and the fix."""
+    from vlmexp.pipeline.keys import commit_resolved, resolve_config
+
+    out = tmp_path / "o"
+    _, pending = resolve_config(str(REPO / "configs/demo.yaml"), [
+        f"run.output_dir={out}", "data.demo.train=4", "data.demo.val=2", "tracking.backend=none",
+        "sft.args.max_steps=1", "grpo.enabled=false", "eval.enabled=false", "eval.every_steps=0"])
+    resolved = commit_resolved(pending)
+    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(resolved)], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"SFTConfig": 1}
+    assert (out / "sft" / "final").is_dir()
+
+    edited = resolved.read_text().replace("max_steps: 1", "max_steps: 1\n    learnin_rate: 0.001")
+    assert edited != resolved.read_text()
+    resolved.write_text(edited)
+    r = vlmexp("train", "sft", "--config", resolved, "--in-process", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "sft.args.learnin_rate = 0.001" in r.stderr and "did you mean 'learning_rate'?" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -79,21 +79,28 @@ def coerce_trl_args(stage: str, args: dict[str, Any]) -> tuple[dict[str, Any], l
 
 
 def build_trl_config(stage: str, args: dict[str, Any], output_dir: str, **pipeline_args: Any):
-    """Build trl.SFTConfig / trl.GRPOConfig from our args. Raises ValueError with TRL's explanation.
+    """Build trl.SFTConfig / DPOConfig / GRPOConfig from our args: the one build in a process that trains (a
+    config checked when it was written, as a run's resolved config, is not built again before). Raises
+    ConfigError naming each field, its value and the fix, or TRL's own refusal.
 
     On a machine without CUDA, `bf16` defaults to False (TRL defaults it to True) and `use_cpu` to True.
     """
     import torch
 
+    from vlmexp.errors import ConfigError, Problem
+
     converted, problems = coerce_trl_args(stage, args)
     if problems:
-        key, value, msg = problems[0]
-        raise ValueError(f"{stage}.args.{key} = {value!r}: {msg}")
+        raise ConfigError([Problem(f"{stage}.args.{key}", "", msg, value) for key, value, msg in problems])
     kwargs = current_names(stage, {**pipeline_args, **converted})
     if not torch.cuda.is_available():
         kwargs.setdefault("bf16", False)
         kwargs.setdefault("use_cpu", True)
-    return trl_config_class(stage)(output_dir=output_dir, **kwargs)
+    try:
+        return trl_config_class(stage)(output_dir=output_dir, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(Problem(f"{stage}.args", "", f"trl.{trl_config_class(stage).__name__} refuses "
+                                  f"these args: {e}", args)) from e
 
 
 def current_names(stage: str, kwargs: dict[str, Any]) -> dict[str, Any]:
