@@ -34,7 +34,8 @@ from vlmexp.results import PipelineResult  # typed results: light, no torch
 
 def _cached(task, force: bool, retries: int, delay: float, **params: Any):
     """Run `task` with the config's retries; a cached result whose output was deleted is recomputed."""
-    result = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=force or None)(**params)
+    result = task.with_options(retries=retries, retry_delay_seconds=delay,
+                               refresh_cache=force or None)(**params)
     if not Path(getattr(result, "output", result)).exists():
         result = task.with_options(retries=retries, retry_delay_seconds=delay, refresh_cache=True)(**params)
     return result
@@ -43,19 +44,21 @@ def _cached(task, force: bool, retries: int, delay: float, **params: Any):
 @flow(name="vlm-pipeline", log_prints=True, on_cancellation=[on_stopped], on_crashed=[on_stopped],
       on_failure=[on_stopped])
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
-    """The pipeline. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped (never retried), its stage
-    runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""
+    """The pipeline. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped (never retried), its
+    stage runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""
     from vlmexp.errors import quiet_bad_input_tracebacks
     from vlmexp.pipeline.keys import check_pipeline_parameters
     from vlmexp.pipeline.processes import StageInterrupted, note_stop, stop_signal, stopped_by
 
-    quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")  # bad input: the problems, no traceback
+    # bad input: the problems, no traceback
+    quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")
     check_pipeline_parameters(config, overrides)
     started: dict[str, Any] = {}  # what a stop must close: the resolved config and the MLflow runs
     try:
         return _pipeline(config, overrides, force, started)
     except (KeyboardInterrupt, TerminationSignal, StageInterrupted) as stop:
-        if isinstance(stop, TerminationSignal) and stop_signal() is None:  # Prefect's SIGTERM handler raised it
+        # Prefect's SIGTERM handler raised it
+        if isinstance(stop, TerminationSignal) and stop_signal() is None:
             note_stop(stop.signal)
         by = stopped_by(stop_signal())  # this process's signal; none: a stage stopped from outside, or Ctrl-C
         cancel_child_runs(str(flow_run.id or ""))
@@ -63,7 +66,8 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
         return Cancelled(message=f"stopped by {by}; run the same command again to resume")
 
 
-def _pipeline(config: str, overrides: list[str] | None, force: bool, started: dict[str, Any]) -> PipelineResult:
+def _pipeline(config: str, overrides: list[str] | None, force: bool,
+              started: dict[str, Any]) -> PipelineResult:
     from vlmexp.pipeline.keys import load_resolved, stage_key
 
     pending = validate_config(config, overrides or [])
@@ -77,8 +81,10 @@ def _pipeline(config: str, overrides: list[str] | None, force: bool, started: di
     tracked = {"resolved": data.resolved, "parent_run_id": run.mlflow_run_id, **retry}
 
     for stage in TRAINING_STAGES:
-        run.stages[stage] = _cached(train_stage, stage=stage, key=stage_key(cfg, stage, data.hash, run.upstream_key),
-                                    model=run.start_model(stage), **tracked) if getattr(cfg, stage).enabled else None
+        run.stages[stage] = _cached(train_stage, stage=stage,
+                                    key=stage_key(cfg, stage, data.hash, run.upstream_key),
+                                    model=run.start_model(stage),
+                                    **tracked) if getattr(cfg, stage).enabled else None
 
     if cfg.eval.enabled and data.val:
         run.evaluations = [_cached(evaluate_model, name=name, model=path, records=data.val, **tracked,

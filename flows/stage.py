@@ -18,7 +18,8 @@ from vlmexp.results import Evaluation, StageResult
 
 @flow(name="vlm-stage", log_prints=True)
 def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, parent_run_id: str = "",
-              force: bool = False, name: str | None = None, records: str | None = None) -> StageResult | Evaluation:
+              force: bool = False, name: str | None = None,
+              records: str | None = None) -> StageResult | Evaluation:
     """Train `stage` (sft, dpo, grpo) from `model`, or evaluate `model` as candidate `name` on `records`
     (stage eval), for the resolved config at `resolved`."""
     import signal
@@ -33,6 +34,7 @@ def vlm_stage(stage: str, resolved: str, key: str, model: str | None = None, par
     try:
         return run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
     except StageInterrupted as e:
-        if stop_signal() == signal.SIGTERM:  # the worker's cancel, passed on to the stage's processes: to Prefect
+        # the worker's cancel, passed on to the stage's processes: to Prefect
+        if stop_signal() == signal.SIGTERM:
             raise TerminationSignal(signal.SIGTERM) from e  # as its own SIGTERM handler raises it (a cancel)
         raise

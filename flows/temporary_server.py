@@ -27,7 +27,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# uvicorn, after asking for SIGTERM when its parent (`vlmexp run`, pid argv[1]) ends (Linux's PR_SET_PDEATHSIG)
+# uvicorn, after asking for SIGTERM when its parent (`vlmexp run`, pid argv[1]) ends
+# (Linux's PR_SET_PDEATHSIG)
 _UVICORN_TIED_TO_PARENT = """
 import ctypes, os, runpy, signal, sys
 prctl = getattr(ctypes.CDLL(None), "prctl", None)
@@ -44,7 +45,8 @@ def _start(port: int) -> subprocess.Popen:
     import prefect
     from prefect.settings import get_current_settings
 
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1",
            **get_current_settings().to_environment_variables(exclude_unset=True)}
     return subprocess.Popen(
         [sys.executable, "-c", _UVICORN_TIED_TO_PARENT, str(os.getpid()), "--app-dir",
@@ -60,14 +62,15 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
     with httpx.Client() as client:
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise RuntimeError(f"Prefect's temporary server exited with code {server.returncode} on start")
+                raise RuntimeError(f"Prefect's temporary server exited with code {server.returncode} "
+                                   "on start")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
                     return
             time.sleep(0.1)
-    raise RuntimeError(f"Prefect's temporary server at {url} did not answer within {timeout:.0f} s (a busy or slow "
-                       f"machine); raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start a server with "
-                       f"`prefect server start` and set PREFECT_API_URL")
+    raise RuntimeError(f"Prefect's temporary server at {url} did not answer within {timeout:.0f} s (a busy "
+                       f"or slow machine); raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start "
+                       f"a server with `prefect server start` and set PREFECT_API_URL")
 
 
 def _stop(server: subprocess.Popen) -> None:

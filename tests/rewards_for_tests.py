@@ -23,7 +23,8 @@ def fail_once(prompts=None, completions=(), **kwargs):
 
 
 def sometimes_broken(prompts, completions, **kwargs):
-    """char_variety, except every 4th sample is NaN, inf or None, in turn across calls (a reward with holes)."""
+    """char_variety, except every 4th sample is NaN, inf or None, in turn across calls (a reward with
+    holes)."""
     holes = (float("nan"), float("inf"), None)
     sometimes_broken.calls = getattr(sometimes_broken, "calls", -1) + 1
     return [holes[(sometimes_broken.calls + i // 4) % 3] if i % 4 == 0 else len(set(completion_text(c))) / 20
@@ -32,7 +33,8 @@ def sometimes_broken(prompts, completions, **kwargs):
 
 def record_check(prompts, completions, source_row, image_sizes, solution, **kwargs):
     """1.0 where the sample's prompt image, text, image size and solution are all its record's (looked up by
-    `source_row` in `record_check.records`, set by the test), else 0.0 with the sample noted in `.mismatches`."""
+    `source_row` in `record_check.records`, set by the test), else 0.0 with the sample noted in
+    `.mismatches`."""
     import json
 
     import numpy as np
@@ -55,18 +57,19 @@ def record_check(prompts, completions, source_row, image_sizes, solution, **kwar
 
 
 def odd_rows_vary(prompts, completions, source_row, **kwargs):
-    """No signal for records of even `source_row` (0.5 for every completion), a sure one for odd rows: 0, 1, 0, 1
-    along the call (a group's completions are consecutive, in GRPO and in DPO-style sampling alike)."""
+    """No signal for records of even `source_row` (0.5 for every completion), a sure one for odd rows: 0, 1,
+    0, 1 along the call (a group's completions are consecutive, in GRPO and in DPO-style sampling alike)."""
     return [float(i % 2) if row % 2 else 0.5 for i, row in enumerate(source_row)]
 
 
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "images")
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                 "images")
 
 
 def columns_seen(prompts, completions, **kwargs):
-    """Appends each sample's keyword columns (all but TRL's arguments and the images) as a JSON line to the file
-    named by VLMEXP_TEST_COLUMNS_FILE; scores 1.0 where the sample received a source column other than vlmexp's
-    own (REWARD_COLUMNS) that is not None, else 0.0."""
+    """Appends each sample's keyword columns (all but TRL's arguments and the images) as a JSON line to the
+    file named by VLMEXP_TEST_COLUMNS_FILE; scores 1.0 where the sample received a source column other than
+    vlmexp's own (REWARD_COLUMNS) that is not None, else 0.0."""
     import json
     import os
 

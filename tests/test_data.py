@@ -48,10 +48,12 @@ def test_rec_format_variants(tmp_path, imgs):
     assert [r.task for r in rows] == ["rec"] * 3 and [r.method for r in rows] == ["iou"] * 3
     assert rows[0].images == [str(imgs / "a.png")] and rows[0].image_sizes == [[64, 48]]
     assert rows[0].image_refs == ["a.png"] and rows[0].id is None and rows[0].target is None
-    assert [r.solution for r in rows] == [[1, 2, 30, 40], [5, 6, 70, 50], [0, 0, 10, 10]]  # every spelling: a box
+    # every spelling: a box
+    assert [r.solution for r in rows] == [[1, 2, 30, 40], [5, 6, 70, 50], [0, 0, 10, 10]]
     assert rows[0].source == str(src) and rows[0].record_format == "rec" and rows[2].source_row == 2
     line = json.loads(res.path.read_text().splitlines()[2])
-    assert line["extra"] == {"extra": 1} and line["schema"] == 3 and rows[0].extra == {}  # the source's other fields
+    # the source's other fields
+    assert line["extra"] == {"extra": 1} and line["schema"] == 3 and rows[0].extra == {}
 
 
 def test_conversations_format_multi_image(tmp_path, imgs):
@@ -72,12 +74,14 @@ def test_easyr1_format_parquet_and_relative_paths(tmp_path):
     import pyarrow.parquet as pq
 
     make_png(tmp_path / "geo" / "images" / "1.png")
-    table = pa.Table.from_pylist([{"problem": "<image>Find x.", "answer": "30", "images": ["images/1.png"]}] * 4)
+    table = pa.Table.from_pylist([{"problem": "<image>Find x.", "answer": "30",
+                                   "images": ["images/1.png"]}] * 4)
     pq.write_table(table, tmp_path / "geo" / "train.parquet")
     res = _sample(tmp_path, [DataSource(json_path=str(tmp_path / "geo" / "train.parquet"),
                                         sampling_strategy="first:50%")])
     rows = _read(res.path)
-    assert len(rows) == 2 and rows[0].task == "math" and rows[0].problem == "Find x." and rows[0].target is None
+    assert (len(rows) == 2 and rows[0].task == "math" and rows[0].problem == "Find x."
+            and rows[0].target is None)
     assert rows[0].images == [str((tmp_path / "geo" / "images" / "1.png").resolve())]
 
 
@@ -168,7 +172,8 @@ def test_bad_images_shapes(tmp_path):
 def test_bad_boxes(tmp_path, imgs):
     msg = _bad(tmp_path, [{"image": "a.png", "problem": "p", "solution": [30, 5, 10, 20]},
                           {"image": "a.png", "problem": "p", "solution": [0, 0, 65, 20]},
-                          {"image": "a.png", "problem": "p", "solution": "no box here"}], image_root=str(imgs))
+                          {"image": "a.png", "problem": "p", "solution": "no box here"}],
+               image_root=str(imgs))
     assert "inverted or empty" in msg and "outside the 64x48 image" in msg and "holds no box" in msg
 
 
@@ -196,8 +201,8 @@ def test_sample_cli_prints_table_and_writes_manifest(tmp_path, demo_data):
     assert r.returncode == 0, r.stderr
     assert "train.json" in r.stdout and "total" in r.stdout and " 24" in r.stdout
     assert len(_read(out)) == 24 and json.loads((tmp_path / "s.manifest.json").read_text())["seed"] == 5
-    bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "missing.yaml"), "--out",
-                          str(tmp_path / "x.jsonl")], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "missing.yaml"),
+                          "--out", str(tmp_path / "x.jsonl")], capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr and not (tmp_path / "x.jsonl").exists()
 
 
@@ -256,7 +261,8 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
     from vlmexp.prompts import target_text
 
     exact = make_demo_data(tmp_path / "exact", train=40, val=8, seed=3)
-    loose = make_demo_data(tmp_path / "loose", train=40, val=8, seed=3, annotator=Annotator(jitter=0.05, loose=0.25))
+    loose = make_demo_data(tmp_path / "loose", train=40, val=8, seed=3,
+                           annotator=Annotator(jitter=0.05, loose=0.25))
     plain, noisy = (json.loads((d / "train.json").read_text()) for d in (exact, loose))
     assert [r["solution"] for r in plain] == [r["solution"] for r in noisy]  # same images, same exact boxes
     assert (exact / "images/train_00007.png").read_bytes() == (loose / "images/train_00007.png").read_bytes()
@@ -274,7 +280,8 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
                                                    "data.demo.val=2"])
     record = read_sampled(prepare_data(cfg).train)[0]
     budget = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=102400)
-    text = target_text(record, get_family("qwen2_5_vl"), budget)  # 112 x 112 stays 112 x 112: the frame is pixels
+    # 112 x 112 stays 112 x 112: the frame is pixels
+    text = target_text(record, get_family("qwen2_5_vl"), budget)
     shown = [int(v) for v in record.demonstration]
     assert record.demonstration != record.solution and text.endswith(f"<answer>{shown}</answer>")
     with pytest.raises(ValueError, match="annotator jitter and loose"):
@@ -287,12 +294,14 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
 
 def test_sampled_file_of_the_old_layout_is_refused_naming_file_and_fix(tmp_path, imgs):
     """A file sampled before records had a schema (the source's raw fields plus record_format and image_paths)
-    is refused by the one reader every stage uses, naming the file and the fix; `vlmexp eval --records` too."""
+    is refused by the one reader every stage uses, naming the file and the fix; `vlmexp eval --records`
+    too."""
     from vlmexp.evaluate import check_sampled_records
 
     old = write_jsonl(tmp_path / "train.jsonl", [{
         "image": "a.png", "problem": "p", "solution": [1, 2, 30, 40], "record_format": "rec", "task": "rec",
-        "image_paths": [str(imgs / "a.png")], "image_sizes": [[64, 48]], "source": "x.json", "source_row": 0}])
+        "image_paths": [str(imgs / "a.png")], "image_sizes": [[64, 48]], "source": "x.json",
+        "source_row": 0}])
     for read in (read_sampled, check_sampled_records):
         with pytest.raises(DataError) as e:
             read(old)
@@ -310,17 +319,20 @@ def test_reward_columns_and_content_digest_are_one_function(tmp_path, imgs):
     leaves absolute paths out, so the same data sampled in two folders has one digest."""
     from vlmexp.data.record import columns_of, content_sha256, reward_columns
 
-    src = write_json(tmp_path / "rec.json", [{"image": "a.png", "problem": "p", "solution": "[1, 2, 30, 40]"}])
+    src = write_json(tmp_path / "rec.json", [{"image": "a.png", "problem": "p",
+                                              "solution": "[1, 2, 30, 40]"}])
     res = _sample(tmp_path, [DataSource(json_path=str(src), image_root=str(imgs))])
     [record] = _read(res.path)
-    assert reward_columns(record) == {"solution": "[1.0, 2.0, 30.0, 40.0]", "task": "rec", "accu_reward_method": "iou",
-                                      "image_sizes": [[64, 48]], "source_row": 0, "image_path": str(imgs / "a.png")}
+    assert reward_columns(record) == {"solution": "[1.0, 2.0, 30.0, 40.0]", "task": "rec",
+                                      "accu_reward_method": "iou", "image_sizes": [[64, 48]], "source_row": 0,
+                                      "image_path": str(imgs / "a.png")}
     assert columns_of([record, record])["solution"] == ["[1.0, 2.0, 30.0, 40.0]"] * 2
     manifest = json.loads(res.manifest_path.read_text())
     assert manifest["content_sha256"] == content_sha256([record]) == res.content_sha256
     moved = tmp_path / "moved"
     (imgs).rename(moved)
-    again = sample_sources([DataSource(json_path=str(src), image_root=str(moved))], tmp_path / "b" / "s.jsonl", 0)
+    again = sample_sources([DataSource(json_path=str(src), image_root=str(moved))],
+                           tmp_path / "b" / "s.jsonl", 0)
     assert again.content_sha256 == res.content_sha256 and _read(again.path)[0].images != record.images
 
 
@@ -339,8 +351,8 @@ def test_detection_boxes_are_checked_inside_the_image(tmp_path, imgs):
 
 
 def test_a_stage_process_samples_again_when_the_sampled_layout_changed(tmp_path, monkeypatch):
-    """A stage process reuses the run's sampled files only when they were sampled for the same request, and the
-    sampled-record schema is part of the request: files of an older layout are sampled again, not read."""
+    """A stage process reuses the run's sampled files only when they were sampled for the same request, and
+    the sampled-record schema is part of the request: files of an older layout are sampled again, not read."""
     from vlmexp.config.loader import load_config
     from vlmexp.data import run_data
 
@@ -364,11 +376,13 @@ def test_prompts_carry_the_history_and_images_open_the_first_user_turn():
     record = SampledRecord(task="exact", method="default", problem="And now?", solution="b", images=["x.png"],
                            image_sizes=[[8, 8]], image_refs=["x.png"], source="s", source_id="", source_row=0,
                            record_format="messages", system="Be brief.",
-                           history=[{"role": "user", "content": "First?"}, {"role": "assistant", "content": "a"}])
+                           history=[{"role": "user", "content": "First?"},
+                                    {"role": "assistant", "content": "a"}])
     data = DataConfig(datasets=[DataSource(json_path="s")], system_prompt="ignored: the record has its own",
                       prompt_templates={"exact": "Q: {problem}"})
     prompt = build_prompt(record, data, get_family("qwen2_5_vl"))
     assert prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First?"},
                       {"role": "assistant", "content": "a"}, {"role": "user", "content": "Q: And now?"}]
     shown = with_image_parts(prompt, 1)
-    assert shown[1]["content"] == [{"type": "image"}, {"type": "text", "text": "First?"}] and shown[3] == prompt[3]
+    assert (shown[1]["content"] == [{"type": "image"}, {"type": "text", "text": "First?"}]
+            and shown[3] == prompt[3])

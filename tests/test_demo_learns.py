@@ -37,8 +37,9 @@ def test_demo_recipe_grounds_like_its_loose_annotator_and_gives_grpo_a_signal(tm
 
     cfg = load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=256", "data.demo.val=64",
-        "sft.args.max_steps=150", "sft.args.save_steps=150", "grpo.args.max_steps=4", "grpo.args.save_steps=4",
-        "grpo.args.per_device_train_batch_size=32", "grpo.args.warmup_steps=0", "grpo.args.logging_steps=1"])
+        "sft.args.max_steps=150", "sft.args.save_steps=150", "grpo.args.max_steps=4",
+        "grpo.args.save_steps=4", "grpo.args.per_device_train_batch_size=32", "grpo.args.warmup_steps=0",
+        "grpo.args.logging_steps=1"])
     data = prepare_data(cfg)
     sft = run_sft(cfg)
     metrics = evaluate(cfg, str(sft), data.val, tmp_path / "eval").metrics
@@ -50,4 +51,5 @@ def test_demo_recipe_grounds_like_its_loose_annotator_and_gives_grpo_a_signal(tm
     [state] = (Path(grpo).parent).glob("checkpoint-*/trainer_state.json")
     logs = [h for h in json.loads(state.read_text())["log_history"] if "reward_std" in h]
     # the exact-box IoU tells the samples of a prompt apart: GRPO has something to learn from
-    assert len(logs) == 4 and all(h["frac_reward_zero_std"] < 0.5 and h["reward_std"] > 0.02 for h in logs), logs
+    assert len(logs) == 4 and all(h["frac_reward_zero_std"] < 0.5 and h["reward_std"] > 0.02
+                                  for h in logs), logs

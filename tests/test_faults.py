@@ -21,15 +21,17 @@ from conftest import SMALL_BATCHES
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 SAVE_STEPS, MAX_STEPS = 2, 6
-GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4", f"grpo.args.max_steps={MAX_STEPS}",
-        f"grpo.args.save_steps={SAVE_STEPS}", "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
-        "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
+GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4",
+        f"grpo.args.max_steps={MAX_STEPS}", f"grpo.args.save_steps={SAVE_STEPS}", "grpo.args.logging_steps=1",
+        "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+        "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
 
 
 def _train(out: Path, env: dict[str, str], uri: str, run_id: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                           "--mlflow-run-id", run_id, f"run.output_dir={out}", f"tracking.tracking_uri={uri}", *GRPO],
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config",
+                           "configs/demo.yaml", "--mlflow-run-id", run_id, f"run.output_dir={out}",
+                           f"tracking.tracking_uri={uri}", *GRPO],
                           capture_output=True, text=True, cwd=REPO, env=env)
 
 
@@ -44,7 +46,8 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("faults")).info.run_id
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests"), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests"),
+                                                        str(REPO)])}
 
     first = _train(tmp_path, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
     assert first.returncode == crash, first.stderr[-3000:]
@@ -54,7 +57,8 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     grpo = tmp_path / "grpo"
     assert not (grpo / "final").exists()
     if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
-        assert (grpo / f"checkpoint-{step}").is_dir() and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists()
+        assert ((grpo / f"checkpoint-{step}").is_dir()
+                and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists())
 
     second = _train(tmp_path, env, uri, run_id)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -84,18 +88,19 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
                "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.max_new_tokens=8",
                "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
     first_log = tmp_path / "first.log"
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=first_log.open("w"),
-                             start_new_session=True)
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=first_log.open("w"), start_new_session=True)
     deadline = time.monotonic() + 600  # a shared 2-core machine under load
     while not (out / "grpo" / "checkpoint-2" / "trainer_state.json").is_file():
         assert first.poll() is None and time.monotonic() < deadline, \
             f"GRPO never wrote checkpoint-2 (exit {first.poll()}):\n{first_log.read_text()[-3000:]}"
         time.sleep(0.5)
     # Prefect's temporary server and the stage run in sessions of their own (a terminal's Ctrl-C reaches only
-    # `vlmexp run`, which records the stop and passes it on): the group's SIGKILL misses them, and they still go
-    # with the run
+    # `vlmexp run`, which records the stop and passes it on): the group's SIGKILL misses them, and they still
+    # go with the run
     tied = psutil.Process(first.pid).children()
-    assert sorted("uvicorn" in " ".join(p.cmdline()) for p in tied) == [False, True], [p.cmdline() for p in tied]
+    assert sorted("uvicorn" in " ".join(p.cmdline()) for p in tied) == [False, True], [
+        p.cmdline() for p in tied]
     tied += [p for p in tied[0].children(recursive=True) + tied[1].children(recursive=True)]
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
@@ -110,7 +115,8 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
     log = second.stdout + second.stderr
     assert "| sft | skipped: inputs unchanged" in log  # finished before the kill: not redone
     assert "(resume: " in log and "/grpo/checkpoint-" in log.split("(resume: ")[1].split(")")[0]
-    assert (out / "grpo" / "final" / "model.safetensors").is_file() and (out / "export" / "manifest.json").is_file()
+    assert ((out / "grpo" / "final" / "model.safetensors").is_file()
+            and (out / "export" / "manifest.json").is_file())
 
 
 def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
@@ -126,8 +132,9 @@ def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     uri = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--workers", "1",
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                               "--workers", "1",
                                "--default-artifact-root", str(tmp_path / "artifacts")],
                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -145,9 +152,10 @@ def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
         log = tmp_path / "train.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fail fast
-        train = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                                  "--mlflow-run-id", run_id, f"tracking.tracking_uri={uri}",
-                                  f"run.output_dir={tmp_path}", *GRPO[:3], "grpo.args.max_steps=12",
+        train = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config",
+                                  "configs/demo.yaml", "--mlflow-run-id", run_id,
+                                  f"tracking.tracking_uri={uri}", f"run.output_dir={tmp_path}", *GRPO[:3],
+                                  "grpo.args.max_steps=12",
                                   "grpo.args.save_steps=4", *GRPO[5:], "tracking.completions_every=2"],
                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
         while not (tmp_path / "grpo" / "checkpoint-4" / "trainer_state.json").is_file():

@@ -15,10 +15,11 @@ DEMO = str(REPO / "configs/demo.yaml")
 pytestmark = pytest.mark.slow
 
 SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.args.save_steps=4",
-         "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1", "grpo.args.logging_steps=1",
-         "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
-         "grpo.args.temperature=1.5", "tracking.completions_every=2", "pipeline.retry_delay_seconds=0",
-         "eval.max_new_tokens=12", "tracking.system_metrics_seconds=0.5", *SMALL_BATCHES]
+         "sft.args.logging_steps=1", "grpo.args.max_steps=3", "grpo.args.save_steps=1",
+         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
+         "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "grpo.args.temperature=1.5",
+         "tracking.completions_every=2", "pipeline.retry_delay_seconds=0", "eval.max_new_tokens=12",
+         "tracking.system_metrics_seconds=0.5", *SMALL_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,9 @@ def _task_states(flow_run_id):
 
     async def read():
         async with get_client() as client:
-            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                               task_run_filter=TaskRunFilter())
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                task_run_filter=TaskRunFilter())
             return [(r.name.rsplit("-", 1)[0], r.state.name) for r in runs]
 
     return asyncio.run(read())
@@ -82,7 +84,8 @@ ENV_SECRET, CONFIG_SECRET = "planted-env-secret-4711", "planted-config-secret-08
 def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing_changed(prefect, tmp_path,
                                                                                          monkeypatch):
     out = tmp_path / "run"
-    rewards = "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]"
+    rewards = ("grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, "
+               "{name: 'rewards_for_tests:char_variety'}]")
     monkeypatch.setenv("VLMEXP_TEST_API_TOKEN", ENV_SECRET)  # secrets in the environment and in the config
     secret = f"sft.args.hub_token={CONFIG_SECRET}"
     rotate = "grpo.args.save_total_limit=2"  # checkpoints 1-3 saved, checkpoint-1 rotated away at step 3
@@ -95,7 +98,8 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     for name in ("demo-sft", "demo-grpo", "eval"):
         assert runs[name].data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert runs[name].info.status == "FINISHED"
-    # the parent: flattened config params (prefixed), provenance tags, config + manifests + comparison + summary
+    # the parent: flattened config params (prefixed), provenance tags, config + manifests + comparison +
+    # summary
     assert parent.data.params["config.grpo.args.max_steps"] == "3"
     assert parent.data.params["config.model.path"] == "tiny:qwen2_5_vl"
     tags = parent.data.tags
@@ -104,7 +108,8 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert tags["git_commit"] and tags["version.trl"] and tags["prefect.flow_run_id"]
     for run in runs.values():  # the runs table's Source column: the command and the code's commit, every run
         source = run.data.tags
-        assert source["mlflow.source.type"] == "LOCAL" and source["mlflow.source.name"] == command_name(), source
+        assert (source["mlflow.source.type"] == "LOCAL"
+                and source["mlflow.source.name"] == command_name()), source
         assert source["mlflow.source.git.commit"] == tags["git_commit"].removesuffix("-dirty")
         assert source["git_dirty"] == str(tags["git_commit"].endswith("-dirty")).lower()
     assert len(tags["data.content_sha256"]) == 64 and tags["stage.grpo"] == "trained"
@@ -113,7 +118,8 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
                for split in ("train", "val")}
 
     def inputs(run):
-        return {(d.dataset.name, d.dataset.digest, next(t.value for t in d.tags if t.key == "mlflow.data.context"))
+        return {(d.dataset.name, d.dataset.digest,
+                 next(t.value for t in d.tags if t.key == "mlflow.data.context"))
                 for d in client.get_run(run.info.run_id).inputs.dataset_inputs}
 
     assert inputs(parent) == {("train", content["train"], "training"), ("val", content["val"], "evaluation")}
@@ -122,14 +128,16 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
             "summary.md", "export/manifest.json"} <= set(_artifacts(client, parent.info.run_id))
     # the GRPO child: TRL's step metrics, one point per logged step, completion tables, the curve plot
     grpo = runs["demo-grpo"].info.run_id
-    for key in ("loss", "rewards/format/mean", "rewards/iou/mean", "rewards/rewards_for_tests:char_variety/std",
-                "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean",
-                "rewards/iou/unparsable/no_answer"):
+    for key in ("loss", "rewards/format/mean", "rewards/iou/mean",
+                "rewards/rewards_for_tests:char_variety/std", "frac_reward_zero_std",
+                "completions/mean_length", "clip_ratio/region_mean", "rewards/iou/unparsable/no_answer"):
         assert [m.step for m in client.get_metric_history(grpo, key)] == [1, 2, 3], key
     grpo_files = set(_artifacts(client, grpo))
     assert {"completions/step_000002.json", "plots/curves.png"} <= grpo_files
-    table = json.loads(Path(client.download_artifacts(grpo, "completions/step_000002.json", str(tmp_path))).read_text())
-    assert {"completion", "prompt", "reward/iou", "reward/rewards_for_tests:char_variety"} <= set(table["columns"])
+    table = json.loads(Path(client.download_artifacts(grpo, "completions/step_000002.json",
+                                                      str(tmp_path))).read_text())
+    assert {"completion", "prompt", "reward/iou",
+            "reward/rewards_for_tests:char_variety"} <= set(table["columns"])
     assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "loss")] == [1, 2, 3, 4]
     # the System metrics tab: MLflow's monitor sampled each stage process into the run it joined (no GPU here)
     for stage in ("demo-sft", "demo-grpo"):
@@ -140,12 +148,14 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     # evaluation: per-model metrics and tables
     ev = runs["eval"]
     assert {"base/rec_mean_iou", "sft/rec_mean_iou", "grpo/format_rate", "grpo/count"} <= set(ev.data.metrics)
-    assert {"evaluation/base_samples.json", "evaluation/grpo_samples.json"} <= set(_artifacts(client, ev.info.run_id))
+    assert {"evaluation/base_samples.json",
+            "evaluation/grpo_samples.json"} <= set(_artifacts(client, ev.info.run_id))
     assert [row["model"] for row in result.evaluation] == ["base", "sft", "grpo"]
     assert (out / "export" / "model.safetensors").is_file()
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["mlflow_parent_run_id"] == parent.info.run_id and len(manifest["config_sha256"]) == 64
-    assert manifest["data_content_sha256"] == tags["data.content_sha256"] and manifest["evaluation"][2]["model"] == "grpo"
+    assert (manifest["data_content_sha256"] == tags["data.content_sha256"]
+            and manifest["evaluation"][2]["model"] == "grpo")
     # registry: the first export becomes the champion, with its metric on the version
     assert result.promotion.promoted and result.promotion.version == "1"
     assert "promoted to `champion`" in result.summary and tags["export.promoted"] == "true"
@@ -160,7 +170,8 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
 
     states = _task_states(tags["prefect.flow_run_id"])
     assert all(state == "Completed" for _, state in states), states
-    assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate", "export"}
+    assert {name for name, _ in states} >= {"validate-config", "sample-data", "train-stage", "evaluate",
+                                            "export"}
 
     again = _run(DEMO, [f"run.output_dir={out}", *SMALL, rewards, secret, rotate])
     assert "skipped: inputs unchanged" in again.summary
@@ -168,48 +179,58 @@ def test_pipeline_runs_every_stage_tracks_it_in_mlflow_and_skips_it_when_nothing
     assert rerun.info.run_id != parent.info.run_id and rerun.data.tags["stage.grpo"] == "skipped"
     states = _task_states(rerun.data.tags["prefect.flow_run_id"])
     assert [s for name, s in states if name == "train-stage"] == ["Cached", "Cached"], states
-    assert len(client.search_model_versions("name='vlmexp-demo'")) == 1  # the cached export is not registered again
+    # the cached export is not registered again
+    assert len(client.search_model_versions("name='vlmexp-demo'")) == 1
 
 
 def _assert_logged_models(client, exp, runs, champion, ev, val_digest):
-    """The Models tab: every checkpoint and final model of each stage and the export, linked to the run and step
-    that made them; evaluated models carry their evaluation; the registered version is the export's model,
-    whose files MLflow holds (copied: a tiny model), while checkpoints are referenced by path only."""
+    """The Models tab: every checkpoint and final model of each stage and the export, linked to the run and
+    step that made them; evaluated models carry their evaluation; the registered version is the export's
+    model, whose files MLflow holds (copied: a tiny model), while checkpoints are referenced by path only."""
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
     # grpo's checkpoint-1 was rotated away (save_total_limit 2): its Models entry went with its folder
-    assert set(models) == {"sft-checkpoint-4", "sft-final", "grpo-checkpoint-2", "grpo-checkpoint-3", "grpo-final",
-                           "run-export"}, set(models)
+    assert set(models) == {"sft-checkpoint-4", "sft-final", "grpo-checkpoint-2", "grpo-checkpoint-3",
+                           "grpo-final", "run-export"}, set(models)
     assert not (Path(models["grpo-checkpoint-2"].tags["vlmexp.path"]).parent / "checkpoint-1").exists()
     sft, grpo, parent = (runs[n].info.run_id for n in ("demo-sft", "demo-grpo", "demo-pipeline"))
-    outputs = {run: {(o.model_id, o.step) for o in client.get_run(run).outputs.model_outputs} for run in (sft, grpo)}
-    kept = {(models[f"grpo-checkpoint-{i}"].model_id, i) for i in (2, 3)} | {(models["grpo-final"].model_id, 3)}
-    assert kept <= outputs[grpo] and [step for _, step in outputs[grpo] - kept] == [1]  # the run's history stays
+    outputs = {run: {(o.model_id, o.step) for o in client.get_run(run).outputs.model_outputs}
+               for run in (sft, grpo)}
+    kept = ({(models[f"grpo-checkpoint-{i}"].model_id, i) for i in (2, 3)}
+            | {(models["grpo-final"].model_id, 3)})
+    # the run's history stays
+    assert kept <= outputs[grpo] and [step for _, step in outputs[grpo] - kept] == [1]
     assert outputs[sft] == {(models["sft-checkpoint-4"].model_id, 4), (models["sft-final"].model_id, 4)}
     checkpoint = models["grpo-checkpoint-2"]
     assert checkpoint.source_run_id == grpo and checkpoint.tags["mlflow.model.isExternal"] == "true"
     assert Path(checkpoint.tags["vlmexp.path"], "model.safetensors").is_file()
-    assert [a.path for a in client.list_logged_model_artifacts(checkpoint.model_id)] == ["MLmodel"]  # no weights
+    # no weights
+    assert [a.path for a in client.list_logged_model_artifacts(checkpoint.model_id)] == ["MLmodel"]
     at_step = {m.key: m.value for m in checkpoint.metrics if m.step == 2}  # the run's step-2 values
     assert [at_step["loss"]] == [m.value for m in client.get_metric_history(grpo, "loss") if m.step == 2]
-    for name, stage in (("sft-final", "sft"), ("grpo-final", "grpo")):  # evaluated: its metrics, on the val data
-        evaluated = {m.key: (m.value, m.dataset_digest) for m in models[name].metrics if m.key.startswith("eval/")}
+    # evaluated: its metrics, on the val data
+    for name, stage in (("sft-final", "sft"), ("grpo-final", "grpo")):
+        evaluated = {m.key: (m.value, m.dataset_digest) for m in models[name].metrics
+                     if m.key.startswith("eval/")}
         assert evaluated["eval/rec_mean_iou"] == (ev.data.metrics[f"{stage}/rec_mean_iou"], val_digest), name
     assert {i.model_id for i in client.get_run(ev.info.run_id).inputs.model_inputs} == {
         models["sft-final"].model_id, models["grpo-final"].model_id}
     export = models["run-export"]
-    assert export.source_run_id == parent and export.tags["vlmexp.exported_from"] == models["grpo-final"].model_id
+    assert (export.source_run_id == parent
+            and export.tags["vlmexp.exported_from"] == models["grpo-final"].model_id)
     # the registered version is that model: its source, its id, and the model lists the version
     assert champion.source == f"models:/{export.model_id}" and champion.tags["model_id"] == export.model_id
     assert champion.tags["registration"] == "copy" == export.tags["vlmexp.registration"]
     assert json.loads(export.tags["mlflow.modelVersions"]) == [{"name": "vlmexp-demo", "version": "1"}]
     assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(export.model_id)}
-    assert {m.key: m.value for m in export.metrics}["eval/rec_mean_iou"] == ev.data.metrics["grpo/rec_mean_iou"]
-    assert not [a for a in _artifacts(client, parent) if a.startswith("model/")]  # the weights are not copied twice
+    assert ({m.key: m.value for m in export.metrics}["eval/rec_mean_iou"]
+            == ev.data.metrics["grpo/rec_mean_iou"])
+    # the weights are not copied twice
+    assert not [a for a in _artifacts(client, parent) if a.startswith("model/")]
 
 
 def _assert_headline_charts(client, runs, ev):
-    """The first section of a run page's charts (MLflow's UI sorts sections by name, upper case first, and puts
-    keys without a section last): "Summary", holding the reward and the main evaluation metric."""
+    """The first section of a run page's charts (MLflow's UI sorts sections by name, upper case first, and
+    puts keys without a section last): "Summary", holding the reward and the main evaluation metric."""
     grpo, sft, parent = (runs[n].info.run_id for n in ("demo-grpo", "demo-sft", "demo-pipeline"))
 
     def history(run, key):
@@ -260,7 +281,8 @@ def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp
     monkeypatch.setenv("VLMEXP_TEST_FAIL_MARKER", str(marker))
     result = _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "eval.enabled=false",
                          "export.enabled=false", "tracking.backend=none", "pipeline.retries=1",
-                         "grpo.rewards=[{name: 'rewards_for_tests:fail_once'}, {name: 'rewards_for_tests:char_variety'}]"])
+                         ("grpo.rewards=[{name: 'rewards_for_tests:fail_once'}, "
+                          "{name: 'rewards_for_tests:char_variety'}]")])
     assert marker.is_file()  # the first attempt failed at its second step...
     first_checkpoint = out / "grpo" / "checkpoint-1" / "trainer_state.json"
     assert first_checkpoint.stat().st_mtime <= marker.stat().st_mtime  # kept, not redone: the retry resumed
@@ -277,8 +299,8 @@ def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_pa
     import hashlib
 
     out = tmp_path / "run"
-    _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "grpo.enabled=false", "eval.enabled=false",
-                "tracking.backend=none"])
+    _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "grpo.enabled=false",
+                "eval.enabled=false", "tracking.backend=none"])
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
     assert out / "config.resolved.yaml" in before and out / "data" / "train.jsonl" in before
 
@@ -289,7 +311,8 @@ def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_pa
     from flows.pipeline import vlm_pipeline
 
     state = vlm_pipeline(config=DEMO, overrides=[f"run.output_dir={out}", *SMALL, "data.demo=null",
-                                                 f"data.datasets=[{{json_path: {bad}}}]", "tracking.backend=none"],
+                                                 f"data.datasets=[{{json_path: {bad}}}]",
+                                                 "tracking.backend=none"],
                          return_state=True)
     assert state.is_failed()
     assert f"{bad}:2" in str(state.message) or f"{bad}:2" in repr(state.result(raise_on_failure=False))
@@ -300,6 +323,7 @@ def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_pa
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:  # bad input is not retried: the same data fails the same way
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     [sampling] = [r for r in runs if r.name.startswith("sample-data")]
     assert sampling.run_count == 1 and sampling.state.is_failed()

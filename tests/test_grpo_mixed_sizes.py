@@ -20,8 +20,9 @@ REWARDS = "grpo.rewards=[{name: 'rewards_for_tests:record_check'}, {name: 'rewar
 
 
 def _cfg(out, *overrides):
-    return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={out}", "tracking.backend=none", *SMALL_BATCHES,
-                                                    *MIXED, "grpo.args.max_completion_length=4",
+    return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={out}", "tracking.backend=none",
+                                                    *SMALL_BATCHES, *MIXED,
+                                                    "grpo.args.max_completion_length=4",
                                                     "grpo.args.temperature=1.5", "grpo.args.logging_steps=1",
                                                     "grpo.args.save_steps=100", REWARDS, *overrides])
 
@@ -77,13 +78,15 @@ def test_mixed_sizes_train_8_prompts_x_8_per_step_each_scored_against_its_own_re
     assert check.seen == 2 * 8 * 8 and check.mismatches == []  # 8 prompts x 8 completions per step
     key = "rewards/rewards_for_tests:record_check/mean"
     assert [h[key] for h in trainer.state.log_history if key in h] == [1.0, 1.0]
-    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    changed = [n for n, p in trainer.model.named_parameters()
+               if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "GRPO changed no parameter"
     assert trainer.guard_seconds > 0
 
 
 def _rotate_after_shuffle(monkeypatch, keys):
-    """TRL's shuffle, except what `keys` hold moves one sample on (the kind of slip a future TRL could make)."""
+    """TRL's shuffle, except what `keys` hold moves one sample on (the kind of slip a future TRL could
+    make)."""
     from trl.trainer import grpo_trainer
 
     shuffle = grpo_trainer.shuffle_sequence_dict
@@ -108,7 +111,8 @@ def _right_pad(monkeypatch):
 
 
 def _drop_images(monkeypatch):
-    """What GRPOTrainer does when a sample's image-token count does not match its grids ('Drop all images')."""
+    """What GRPOTrainer does when a sample's image-token count does not match its grids ('Drop all
+    images')."""
     from trl import GRPOTrainer
 
     generate = GRPOTrainer._generate_and_score_completions
@@ -127,10 +131,11 @@ PAIRED_WRONG = r"completions paired with images that are not their prompt's .*"
 
 @pytest.mark.parametrize(("breakage", "message"), [
     (_mispair, PAIRED_WRONG + (r"sample \d+ \(record \d+\): "
-                               r"(grid \[\[1, \d+, \d+\]\], its record's \[\[1, \d+, \d+\]\]|pixels of another image)")),
+                               r"(grid \[\[1, \d+, \d+\]\], its record's \[\[1, \d+, \d+\]\]|"
+                               r"pixels of another image)")),
     (_right_pad, PAIRED_WRONG + r"image-token types do not line up with its image tokens"),
-    (_drop_images, (r"the records of this batch have \d+ image\(s\) but the batch reaching the loss has none: "
-                    r"TRL dropped the images of the whole batch")),
+    (_drop_images, (r"the records of this batch have \d+ image\(s\) but the batch reaching the loss "
+                    r"has none: TRL dropped the images of the whole batch")),
 ])
 def test_the_guard_stops_a_broken_pairing_before_the_first_update(tmp_path, monkeypatch, breakage, message):
     import rewards_for_tests
@@ -151,14 +156,15 @@ def test_the_guard_stops_a_broken_pairing_before_the_first_update(tmp_path, monk
     assert not seen and not (tmp_path / "grpo" / "final").exists()
 
 
-INTERNVL = ["model.path=tiny:internvl", "model.min_pixels=null", "model.max_pixels=null", "model.max_patches=6",
+INTERNVL = ["model.path=tiny:internvl", "model.min_pixels=null", "model.max_pixels=null",
+            "model.max_patches=6",
             "data.demo.width=[64,250]"]  # aspect ratios 0.7 to 3.9: 1 to 7 tiles an image
 
 
 def test_internvl_tile_counts_differ_per_prompt_and_each_sample_keeps_its_own(tmp_path, monkeypatch):
-    """TRL 1.16 carries InternVL's tiles per sample (`num_tiles`) through shuffle and split: 8 prompts x 4 per step
-    over images of several tile counts train, each completion scored against its own record; the guard passes,
-    and stops the same run when the tiles are moved to another sample."""
+    """TRL 1.16 carries InternVL's tiles per sample (`num_tiles`) through shuffle and split: 8 prompts x 4 per
+    step over images of several tile counts train, each completion scored against its own record; the guard
+    passes, and stops the same run when the tiles are moved to another sample."""
     import rewards_for_tests
     import torch
 
@@ -185,8 +191,8 @@ def test_internvl_tile_counts_differ_per_prompt_and_each_sample_keeps_its_own(tm
     bad = _cfg(tmp_path / "bad", *INTERNVL, "grpo.args.max_steps=1", *steps)
     check.records = _records(bad)
     trainer, inputs, rows = build_grpo_trainer(bad)
-    with pytest.raises(PairingError, match=r"GRPO step 0: completions paired with images that are not their prompt's "
-                                           r".*sample \d+ \(record \d+\): (tiles \[\d+\], its record's \[\d+\]|"
-                                           r"pixels of another image)"):
+    with pytest.raises(PairingError, match=r"GRPO step 0: completions paired with images that are not their "
+                                           r"prompt's .*sample \d+ \(record \d+\): (tiles \[\d+\], its "
+                                           r"record's \[\d+\]|pixels of another image)"):
         trainer.train()
     assert trainer.state.global_step == 0

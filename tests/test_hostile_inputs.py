@@ -38,8 +38,8 @@ def world(tmp_path_factory, tiny_models):
 
 
 def _config(world, tmp_path, data_body: str | None = None, extra: str = "") -> Path:
-    data = data_body or f"  datasets:\n    - {{json_path: {write_jsonl(tmp_path / 'ok.jsonl', [GOOD] * 4)}, " \
-                        f"image_root: {world['img']}}}\n"
+    data = data_body or (f"  datasets:\n    - {{json_path: {write_jsonl(tmp_path / 'ok.jsonl', [GOOD] * 4)}, "
+                         f"image_root: {world['img']}}}\n")
     path = tmp_path / "c.yaml"
     path.write_text(f"run:\n  output_dir: {tmp_path / 'out'}\nmodel:\n  path: {world['model']}\n"
                     f"tracking:\n  backend: none\nsft:\n  args: {{max_steps: 1}}\ndata:\n{data}{extra}")
@@ -52,7 +52,8 @@ def _source(world, tmp_path, rows=None, name="d.jsonl", strategy="all", raw: str
         path.write_text(raw)
     elif rows is not None:
         write_jsonl(path, rows)
-    return f"  datasets:\n    - {{json_path: {path}, image_root: {world['img']}, sampling_strategy: '{strategy}'}}\n"
+    return (f"  datasets:\n    - {{json_path: {path}, image_root: {world['img']}, "
+            f"sampling_strategy: '{strategy}'}}\n")
 
 
 def _fails(capsys, tmp_path, config: Path, *overrides: str, data_ok: bool = False) -> str:
@@ -78,11 +79,14 @@ CONFIG_CASES = {
         ["grpo.args.num_generations=3", "grpo.args.per_device_train_batch_size=4"],
         ["grpo.args", "divisible by num_generations"]),
     "missing model path": (["model.path=./no/such/model"], ["model.path", "./no/such/model"]),
-    "unknown reward": (["grpo.rewards=[{name: accuracy}]"], ["grpo.rewards", "unknown reward 'accuracy'", "module:function"]),
+    "unknown reward": (["grpo.rewards=[{name: accuracy}]"], ["grpo.rewards", "unknown reward 'accuracy'",
+                                                             "module:function"]),
     "module:function that does not import": (["grpo.rewards=[{name: 'nosuchmod:fn'}]"],
                                              ["nosuchmod:fn", "cannot import", "PYTHONPATH"]),
-    "module:function naming nothing": (["grpo.rewards=[{name: 'json:nosuchfn'}]"], ["json:nosuchfn", "no callable"]),
-    "TRL arg that does not exist": (["sft.args.learning_rat=1e-4"], ["sft.args.learning_rat", "did you mean 'learning_rate'"]),
+    "module:function naming nothing": (["grpo.rewards=[{name: 'json:nosuchfn'}]"],
+                                       ["json:nosuchfn", "no callable"]),
+    "TRL arg that does not exist": (["sft.args.learning_rat=1e-4"], ["sft.args.learning_rat",
+                                                                     "did you mean 'learning_rate'"]),
 }
 
 
@@ -117,9 +121,10 @@ DATA_CASES = {
                       ["d.jsonl:2", "missing field 'problem'"]),
     "unknown format": (dict(rows=[{"img": "a.png", "question": "q"}]), ["d.jsonl:1", "unknown record format",
                                                                        "docs/data-formats.md"]),
-    "sampling count above the rows": (dict(rows=[GOOD], strategy="first:5"), ["sampling_strategy",
-                                                                              "asks for 5 rows but the file has 1"]),
-    "missing image": (dict(rows=_rows(image="nope.png")), ["d.jsonl:2", "image not found", "nope.png", "image_root"]),
+    "sampling count above the rows": (dict(rows=[GOOD], strategy="first:5"),
+                                      ["sampling_strategy", "asks for 5 rows but the file has 1"]),
+    "missing image": (dict(rows=_rows(image="nope.png")), ["d.jsonl:2", "image not found", "nope.png",
+                                                           "image_root"]),
     "image path that is a symlink loop": (dict(rows=_rows(image="loop.png")), ["d.jsonl:2", "loop.png",
                                                                               "points back to itself"]),
     "image path that is a named pipe": (dict(rows=_rows(image="pipe.png")), ["d.jsonl:2", "pipe.png",
@@ -130,8 +135,10 @@ DATA_CASES = {
                                                                                   "remove the record"]),
     "aspect ratio over 200": (dict(rows=_rows(image="strip.png", solution=[0, 0, 9, 2])),
                               ["d.jsonl:2", "aspect ratio 250 exceeds 200", "crop or drop"]),
-    "box outside the image": (dict(rows=_rows(solution=[10, 10, 80, 20])), ["d.jsonl:2", "outside the 64x48 image"]),
-    "inverted box": (dict(rows=_rows(solution=[30, 5, 10, 20])), ["d.jsonl:2", "inverted or empty", "x1 < x2"]),
+    "box outside the image": (dict(rows=_rows(solution=[10, 10, 80, 20])),
+                              ["d.jsonl:2", "outside the 64x48 image"]),
+    "inverted box": (dict(rows=_rows(solution=[30, 5, 10, 20])), ["d.jsonl:2", "inverted or empty",
+                                                                  "x1 < x2"]),
     "solution without a box": (dict(rows=_rows(solution="top left")), ["d.jsonl:2", "holds no box",
                                                                        "[x1, y1, x2, y2]"]),
 }
@@ -146,7 +153,8 @@ def test_data_case(world, tmp_path, capsys, case):
 
 
 def test_unknown_sampling_strategy(world, tmp_path, capsys):
-    err = _fails(capsys, tmp_path, _config(world, tmp_path, _source(world, tmp_path, [GOOD], strategy="middle:3")))
+    err = _fails(capsys, tmp_path, _config(world, tmp_path, _source(world, tmp_path, [GOOD],
+                                                                    strategy="middle:3")))
     assert "sampling_strategy" in err and "middle:3" in err and "first:N" in err
 
 
@@ -155,7 +163,8 @@ def test_image_tokens_over_the_sequence_limit(world, tmp_path, capsys):
     # TRL would cut into the image placeholders ("Image features and image tokens do not match")
     rows = [GOOD, {**GOOD, "image": "huge.png", "solution": [10, 10, 500, 500]}]
     config = _config(world, tmp_path, _source(world, tmp_path, rows), extra="")
-    err = _fails(capsys, tmp_path, config, "model.max_pixels=1003520", "sft.args.max_length=512", data_ok=True)
+    err = _fails(capsys, tmp_path, config, "model.max_pixels=1003520", "sft.args.max_length=512",
+                 data_ok=True)
     for needle in ("train.jsonl:2", "sft.args.max_length", "1225 for its image", "raise sft.args.max_length",
                    "lower model.max_pixels"):
         assert needle in err, (needle, err)
@@ -175,7 +184,8 @@ def test_safe_defaults(world, tmp_path, capsys):
     assert main(["validate", str(config)]) == 2
     assert not planted.exists() and "evil.yaml" in capsys.readouterr().err
     # a reward name is never evaluated: only registered names and importable module:function references
-    err = _fails(capsys, tmp_path, _config(world, tmp_path), f"grpo.rewards=[{{name: '__import__(\"os\").system(\"touch {planted}\")'}}]")
+    err = _fails(capsys, tmp_path, _config(world, tmp_path),
+                 f"grpo.rewards=[{{name: '__import__(\"os\").system(\"touch {planted}\")'}}]")
     assert "unknown reward" in err and not planted.exists()
 
 
@@ -188,16 +198,20 @@ def _laughs(levels: int = 7) -> str:
 
 
 YAML_FILE_CASES = {
-    "duplicate key": (b"run:\n  seed: 1\n  seed: 2\n", [":3", "run.seed", "defined twice", "lines 2 and 3", "remove one"]),
-    "billion laughs": (_laughs().encode(), ["aliases (*name) expand the document by", "over the limit of 100000"]),
+    "duplicate key": (b"run:\n  seed: 1\n  seed: 2\n", [":3", "run.seed", "defined twice", "lines 2 and 3",
+                                                        "remove one"]),
+    "billion laughs": (_laughs().encode(), ["aliases (*name) expand the document by",
+                                            "over the limit of 100000"]),
     "recursive alias": (b"run: &r\n  name: [*r]\n", ["alias refers to the anchor that contains it"]),
-    "not UTF-8": (b"run:\n  name: caf\xe9\n", [":2", "not UTF-8 text: byte 0xe9 at byte 16", "save the file as UTF-8"]),
+    "not UTF-8": (b"run:\n  name: caf\xe9\n", [":2", "not UTF-8 text: byte 0xe9 at byte 16",
+                                               "save the file as UTF-8"]),
     "UTF-16": ("run:\n  seed: 1\n".encode("utf-16"), ["UTF-16 text", "save it as UTF-8"]),
     "binary file": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", ["binary file", "NUL byte at byte 8"]),
     "huge file": (b"# " + b"x" * (1 << 20) + b"\n", ["over the 1048576 bytes", "records go in .jsonl files"]),
     "empty file": (b"", ["the file is empty", "write a config's sections"]),
     "top level a list": (b"- run\n- model\n", [":1", "top level must be a mapping", "got a list"]),
-    "nesting too deep": (b"run: " + b"[" * 100 + b"]" * 100 + b"\n", ["nested more than 64 levels deep", "flatten"]),
+    "nesting too deep": (b"run: " + b"[" * 100 + b"]" * 100 + b"\n", ["nested more than 64 levels deep",
+                                                                      "flatten"]),
     "value YAML cannot build": (b"run:\n  seed: 2024-13-45\n", ["a value cannot be read", "quote it"]),
 }
 
@@ -254,7 +268,8 @@ def test_non_finite_number_case(world, tmp_path, capsys, case):
 def test_non_finite_box(world, tmp_path, capsys, solution):
     rows = [GOOD, {**GOOD, "solution": solution}]
     if isinstance(solution, list):  # JSON's Infinity, written as the bare word
-        raw = json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "solution": [2, 2, 0, 20]}).replace("0, 20]", "Infinity, 20]") + "\n"
+        raw = (json.dumps(GOOD) + "\n"
+               + json.dumps({**GOOD, "solution": [2, 2, 0, 20]}).replace("0, 20]", "Infinity, 20]") + "\n")
         source = _source(world, tmp_path, raw=raw)
     else:
         source = _source(world, tmp_path, rows)
@@ -268,7 +283,8 @@ REWARD_MODULES = {
     "raises": ("raise RuntimeError('no GPU here')\n", ["raised RuntimeError: no GPU here", "fix the module"]),
     "exits": ("import sys\nsys.exit(0)\n", ["called sys.exit(0)", "remove that call"]),
     "ends the process": ("import os\nos._exit(0)\n", ["ended the Python process (exit status 0)"]),
-    "hangs": ("import time\nwhile True:\n    time.sleep(0.1)\n", ["did not finish in 2 s", "VLMEXP_REWARD_IMPORT_TIMEOUT"]),
+    "hangs": ("import time\nwhile True:\n    time.sleep(0.1)\n", ["did not finish in 2 s",
+                                                                  "VLMEXP_REWARD_IMPORT_TIMEOUT"]),
 }
 
 
@@ -276,7 +292,8 @@ REWARD_MODULES = {
 def test_reward_module_import_case(world, tmp_path, capsys, monkeypatch, case):
     body, needles = REWARD_MODULES[case]
     name = f"hostile_reward_{case.replace(' ', '_')}"
-    (tmp_path / f"{name}.py").write_text(body + "def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    (tmp_path / f"{name}.py").write_text(body + "def score(prompts, completions, **kw):\n"
+                                                "    return [1.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("VLMEXP_REWARD_IMPORT_TIMEOUT", "2")
     err = _fails(capsys, tmp_path, _config(world, tmp_path), f"grpo.rewards=[{{name: '{name}:score'}}]")
@@ -341,7 +358,8 @@ def test_checkpoint_arguments(world, tmp_path, capsys):
 def test_long_values_are_cut(world, tmp_path, capsys):
     err = _fails(capsys, tmp_path, _config(world, tmp_path), f"eval.batch_size={'x' * 5000}")
     line = next(line for line in err.splitlines() if "eval.batch_size =" in line)
-    assert "..." in line and line.count("x") < 450, line  # the value at most ~200 characters, in the override too
+    # the value at most ~200 characters, in the override too
+    assert "..." in line and line.count("x") < 450, line
 
 
 @pytest.mark.slow
@@ -349,7 +367,8 @@ def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
     """`vlmexp run`: the flow's tasks fail on bad data; Prefect's log shows the problems, not a traceback."""
     import subprocess
 
-    source = _source(world, tmp_path, raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
+    source = _source(world, tmp_path,
+                     raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
     config = _config(world, tmp_path, source)
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "run", str(config), "pipeline.retries=0"],
                        capture_output=True, text=True, cwd=tmp_path, check=False,

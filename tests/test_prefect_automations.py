@@ -65,7 +65,8 @@ def server(tmp_path_factory):
 def _setup(server, *args: str) -> str:
     """`vlmexp prefect-setup ARGS` against the server; its output (exit 2 expected for an unknown block)."""
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup", *args], capture_output=True,
-                       text=True, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)}, timeout=120, check=False)
+                       text=True, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)}, timeout=120,
+                       check=False)
     assert r.returncode == (2 if "--notify" in args and "nope" in args[-1] else 0), r.stderr[-2000:]
     return r.stdout + r.stderr
 
@@ -78,7 +79,8 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
 
     assert "no such block" in _setup(server, "--notify", "custom-webhook/nope")
     assert f"created: {ZOMBIE}" in _setup(server, "--notify", "custom-webhook/hook")
-    assert f"updated: {NOTIFY_PROMOTED}" in _setup(server, "--notify", "custom-webhook/hook")  # again: no duplicate
+    # again: no duplicate
+    assert f"updated: {NOTIFY_PROMOTED}" in _setup(server, "--notify", "custom-webhook/hook")
     with get_client(sync_client=True) as client:
         automations = {a.name: a for a in client.read_automations()}
         assert [a.name for a in client.read_automations()].count(ZOMBIE) == 1
@@ -86,7 +88,8 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
             "vlmexp: retrain when the demo data changes"} <= set(automations)
     zombie = automations[ZOMBIE].trigger
     assert zombie.posture == "Proactive" and zombie.after == {"prefect.flow-run.heartbeat"}
-    assert zombie.expect == {"prefect.flow-run.*"} and zombie.within == timedelta(seconds=600)  # 3 x 180 s + 60
+    # 3 x 180 s + 60
+    assert zombie.expect == {"prefect.flow-run.*"} and zombie.within == timedelta(seconds=600)
     assert zombie.match_related["prefect.resource.name"] == FLOWS
     assert automations[ZOMBIE].actions[0].force is False  # a finished run is never turned into Crashed
 
@@ -120,11 +123,11 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
 
 
 def test_a_run_gone_silent_is_crashed_and_a_finished_one_is_not(server):
-    """The zombie automation at the shortest heartbeat Prefect allows (30 s: a 150 s window), on flow runs whose
-    process is gone (created through the API, their heartbeats sent from here): a vlm-stage run whose last event
-    was a heartbeat is marked Crashed with the automation's message and the lost-run notification goes out; one
-    that completed and then sent a heartbeat (the known false positive, PrefectHQ/prefect#18653) stays
-    Completed; a run of another flow that went silent is left alone."""
+    """The zombie automation at the shortest heartbeat Prefect allows (30 s: a 150 s window), on flow runs
+    whose process is gone (created through the API, their heartbeats sent from here): a vlm-stage run whose
+    last event was a heartbeat is marked Crashed with the automation's message and the lost-run notification
+    goes out; one that completed and then sent a heartbeat (the known false positive, PrefectHQ/prefect#18653)
+    stays Completed; a run of another flow that went silent is left alone."""
     from prefect import flow, get_client
     from prefect.events import emit_event
     from prefect.events.worker import EventsWorker
@@ -141,9 +144,10 @@ def test_a_run_gone_silent_is_crashed_and_a_finished_one_is_not(server):
 
     def heartbeat(run, of) -> float:
         emit_event("prefect.flow-run.heartbeat",
-                   resource={"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.name": run.name},
-                   related=[{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow",
-                             "prefect.resource.name": of.name}])
+                   resource={"prefect.resource.id": f"prefect.flow-run.{run.id}",
+                             "prefect.resource.name": run.name},
+                   related=[{"prefect.resource.id": f"prefect.flow.{run.flow_id}",
+                             "prefect.resource.role": "flow", "prefect.resource.name": of.name}])
         EventsWorker.drain_all()
         return time.monotonic()
 
@@ -178,8 +182,9 @@ def _fail_a_pipeline_run(tmp_path: Path) -> None:
 
 
 def _new_data_starts_a_retrain(tmp_path: Path) -> list:
-    """The sensor's first look records the sources; after the data file is rewritten, its second look emits
-    vlmexp.data.changed and the deployment trigger starts scheduled-retrain (a run created by the automation)."""
+    """The sensor's first look records the sources; after the data file is rewritten, its second look
+    emits vlmexp.data.changed and the deployment trigger starts scheduled-retrain (a run created by the
+    automation)."""
     from prefect import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
 

@@ -1,4 +1,5 @@
-"""`vlmexp score`: completions from any system scored by the training rewards, against hand-computed values."""
+"""`vlmexp score`: completions from any system scored by the training rewards, against hand-computed
+values."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def score_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "score", *args], capture_output=True, text=True,
-                          cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "score", *args], capture_output=True,
+                          text=True, cwd=REPO)
 
 
 def test_score_pixels_frame_by_hand(tmp_path):
@@ -30,7 +31,8 @@ def test_score_pixels_frame_by_hand(tmp_path):
     rec = {"image": "img/wide.png", "problem": "the red box", "solution": [100, 50, 200, 100], "task": "rec"}
     preds = write_jsonl(tmp_path / "preds.jsonl", [
         {**rec, "completion": "<think>x</think><answer>[100.8, 50.4, 201.6, 100.8]</answer>"},  # IoU 1
-        {**rec, "completion": '<think>x</think><answer>{"bbox_2d": [151.2, 50.4, 252, 100.8]}</answer>'},  # 1/3
+        {**rec,
+         "completion": '<think>x</think><answer>{"bbox_2d": [151.2, 50.4, 252, 100.8]}</answer>'},  # 1/3
         {**rec, "completion": "<answer>[151.2, 50.4, 252, 100.8]</answer>"},  # 1/3, no think: format 0
         {**rec, "completion": "<think>x</think><answer>the left one</answer>"},  # no box: 0
     ])
@@ -52,7 +54,8 @@ def test_score_pixel_budget_options_change_the_frame(tmp_path):
     # the GT box is [70, 33.6, 140, 67.2] there, and the default-budget answer no longer matches.
     make_png(tmp_path / "wide.png", size=(1000, 500))
     rec = {"image": "wide.png", "problem": "p", "solution": [100, 50, 200, 100], "task": "rec"}
-    preds = write_jsonl(tmp_path / "p.jsonl", [{**rec, "completion": "<answer>[70, 33.6, 140, 67.2]</answer>"}])
+    preds = write_jsonl(tmp_path / "p.jsonl", [{**rec,
+                                                "completion": "<answer>[70, 33.6, 140, 67.2]</answer>"}])
     small, _ = score_predictions(preds, "qwen2_5_vl", {"max_pixels": 250000})
     default, _ = score_predictions(preds, "qwen2_5_vl")
     assert small["rec_mean_iou"] == pytest.approx(1.0)
@@ -64,7 +67,8 @@ def test_score_grid1000_frame_by_hand(tmp_path):
     make_png(tmp_path / "a.png", size=(200, 100))
     rec = {"image": str(tmp_path / "a.png"), "problem": "p", "solution": "[20, 10, 60, 50]", "task": "rec"}
     preds = write_jsonl(tmp_path / "p.jsonl", [{**rec, "completion": "<answer>[100, 100, 300, 500]</answer>"},
-                                               {**rec, "completion": "<answer>[200, 100, 400, 500]</answer>"}])
+                                               {**rec,
+                                                "completion": "<answer>[200, 100, 400, 500]</answer>"}])
     metrics, rows = score_predictions(preds, "qwen2_vl")
     assert [r["score"] for r in rows] == [pytest.approx(1.0), pytest.approx(1 / 3)]
     assert metrics["rec_mean_iou"] == pytest.approx(2 / 3) and metrics["rec_acc50"] == 0.5
@@ -85,22 +89,26 @@ def test_score_math_notations_and_exact_answers(tmp_path):
     ])
     metrics, rows = score_predictions(preds, "qwen2_5_vl")
     assert [r["score"] for r in rows[:4]] == [1.0, 1.0, 1.0, 0.0]
-    # "default" as VLM-R1 scores it: "blue" against "Red." earns the Levenshtein ratio of "blue" and "red", 2/7
-    assert metrics["math_accuracy"] == pytest.approx(0.75) and metrics["exact_accuracy"] == pytest.approx((1 + 2 / 7) / 2)
+    # "default" as VLM-R1 scores it: "blue" against "Red." earns the Levenshtein ratio of "blue" and "red",
+    # 2/7
+    assert (metrics["math_accuracy"] == pytest.approx(0.75)
+            and metrics["exact_accuracy"] == pytest.approx((1 + 2 / 7) / 2))
     assert "rec_mean_iou" not in metrics and metrics["count"] == 6
 
 
 def test_score_refuses_bad_lines_naming_file_and_line(tmp_path):
     make_png(tmp_path / "a.png")
     good = {"image": "a.png", "problem": "p", "solution": [1, 1, 5, 5], "task": "rec", "completion": "x"}
-    preds = write_jsonl(tmp_path / "p.jsonl", [good, {**good, "completion": None}, {"foo": 1, "completion": "x"},
+    preds = write_jsonl(tmp_path / "p.jsonl", [good, {**good, "completion": None},
+                                               {"foo": 1, "completion": "x"},
                                                {**good, "image": "missing.png"}, "{not json"])
     with pytest.raises(DataError) as e:
         score_predictions(preds, "qwen2_5_vl")
     assert f"{preds}:5" in str(e.value) and "malformed JSON" in str(e.value)
     r = score_cli(str(write_jsonl(tmp_path / "q.jsonl", [good, {**good, "completion": None},
                                                          {"foo": 1, "completion": "x"},
-                                                         {**good, "image": "missing.png"}])), "--family", "qwen2_5_vl")
+                                                         {**good, "image": "missing.png"}])),
+                  "--family", "qwen2_5_vl")
     assert r.returncode == 2 and r.stdout == ""
     for needle in ("q.jsonl:2: completion = None", "q.jsonl:3", "unknown record format", "q.jsonl:4: image",
                    "image not found"):
@@ -127,12 +135,14 @@ def test_evaluation_scores_with_the_configured_rewards():
     from vlmexp.data.record import SampledRecord
     from vlmexp.evaluate import score_records
 
-    records = [SampledRecord(task="math", method="math", problem="1+1?", solution="2", images=[], image_sizes=[],
-                             image_refs=[], source="s.jsonl", source_id="", source_row=0, record_format="easyr1")] * 2
+    records = [SampledRecord(task="math", method="math", problem="1+1?", solution="2", images=[],
+                             image_sizes=[], image_refs=[], source="s.jsonl", source_id="", source_row=0,
+                             record_format="easyr1")] * 2
     texts = ["<think>add</think> so \\boxed{2}", "<think>add</think><answer>3</answer>"]
     default, default_rows = score_records(records, texts, "pixels", None)
     boxed, rows = score_records(records, texts, "pixels", None,
-                                [RewardSpec(name="format", kwargs={"style": "boxed"}), RewardSpec(name="math")])
+                                [RewardSpec(name="format", kwargs={"style": "boxed"}),
+                                 RewardSpec(name="math")])
     assert default == {"count": 2.0, "format_rate": 0.5, "math_accuracy": 0.5}
     assert boxed == {"count": 2.0, "format_rate": 0.5, "math_accuracy": 0.5}
     assert [r["format"] for r in default_rows] == [0.0, 1.0]  # the "answer" style by default
@@ -140,16 +150,19 @@ def test_evaluation_scores_with_the_configured_rewards():
 
 
 def test_score_reads_conversational_records_and_keeps_completion_for_the_output(tmp_path):
-    """TRL and LLaMA-Factory records are scored like the sampler reads them; `completion` is always the model's
-    output (a prompt-only record is not taken for a prompt-completion one)."""
+    """TRL and LLaMA-Factory records are scored like the sampler reads them; `completion` is always the
+    model's output (a prompt-only record is not taken for a prompt-completion one)."""
     make_png(tmp_path / "a.png")
     trl = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "2+2?"}]}],
            "image": "a.png", "solution": "4", "task": "math"}
-    chat = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+    chat = {"messages": [{"role": "user", "content": "<image>Colour?"},
+                         {"role": "assistant", "content": "red"}],
             "images": ["a.png"]}
     preds = write_jsonl(tmp_path / "p.jsonl", [{**trl, "completion": "<think>x</think><answer>4</answer>"},
                                                {**trl, "completion": "<answer>5</answer>"},
-                                               {**chat, "completion": "<think>x</think><answer>red</answer>"}])
+                                               {**chat,
+                                                "completion": "<think>x</think><answer>red</answer>"}])
     metrics, rows = score_predictions(preds, "qwen2_5_vl")
-    assert [r["score"] for r in rows] == [1.0, 0.0, 1.0] and [r["problem"] for r in rows][::2] == ["2+2?", "Colour?"]
+    assert ([r["score"] for r in rows] == [1.0, 0.0, 1.0]
+            and [r["problem"] for r in rows][::2] == ["2+2?", "Colour?"])
     assert metrics["math_accuracy"] == 0.5 and metrics["exact_accuracy"] == 1.0

@@ -21,7 +21,8 @@ SAVE_STEPS, MAX_STEPS = 2, 8
 STAGES = "pipeline.stage_deployments={sft: vlm-stage/gpu, grpo: vlm-stage/gpu, eval: vlm-stage/gpu}"
 
 
-def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subprocess.Popen, seconds: float = 600) -> list[str]:
+def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subprocess.Popen,
+                    seconds: float = 600) -> list[str]:
     """SIGKILL every process the `gpu` worker started (the stage's flow run and its training process) once
     `checkpoint` is complete; the worker stays, as a replacement node would."""
     import psutil
@@ -66,17 +67,19 @@ def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path):
 
     out = tmp_path / "run"
     params = {"config": "configs/demo.yaml", "overrides": [
-        f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0", "data.demo.train=16", "data.demo.val=4",
-        "sft.args.max_steps=2", f"grpo.args.max_steps={MAX_STEPS}", f"grpo.args.save_steps={SAVE_STEPS}",
+        f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0", "data.demo.train=16",
+        "data.demo.val=4", "sft.args.max_steps=2", f"grpo.args.max_steps={MAX_STEPS}",
+        f"grpo.args.save_steps={SAVE_STEPS}",
         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
         "grpo.args.max_completion_length=8", "eval.max_new_tokens=8", *SMALL_BATCHES]}
     with prefect_server(tmp_path) as server:
         create_pools_and_deploy(server)
         server.worker("cpu")
         gpu = server.worker("gpu")
-        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual", "--params",
-                                  json.dumps(params), "--watch", "--watch-timeout", "1500"], env=server.env, cwd=REPO,
-                                 stdout=open(tmp_path / "watch.log", "w"), stderr=subprocess.STDOUT)
+        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
+                                  "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
+                                 env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
+                                 stderr=subprocess.STDOUT)
         killed = _kill_stage_run(gpu, out / "grpo" / f"checkpoint-{SAVE_STEPS}", watch)
         assert watch.wait(1600) == 0 and "Completed" in (tmp_path / "watch.log").read_text(), \
             (tmp_path / "watch.log").read_text()[-3000:]
@@ -85,16 +88,20 @@ def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path):
 
     pipeline = [r for name, r, _ in runs if name == "vlm-pipeline" and r.state.name == "Completed"]
     assert len(pipeline) == 1 and pipeline[0].work_pool_name == "cpu"
-    stages = [(r.parameters["stage"], r.state.name, r, parent) for name, r, parent in runs if name == "vlm-stage"]
+    stages = [(r.parameters["stage"], r.state.name, r, parent) for name, r, parent in runs
+              if name == "vlm-stage"]
     assert all(r.work_pool_name == "gpu" for _, _, r, _ in stages)
-    assert all(parent == pipeline[0].id for *_, parent in stages)  # linked as subflows of the pipeline's tasks
+    # linked as subflows of the pipeline's tasks
+    assert all(parent == pipeline[0].id for *_, parent in stages)
     assert sorted(state for stage, state, *_ in stages if stage == "sft") == ["Completed"]
     assert sorted(state for stage, state, *_ in stages if stage == "grpo") == ["Completed", "Crashed"]
-    assert sorted(state for stage, state, *_ in stages if stage == "eval") == ["Completed"] * 3  # base, sft, grpo
+    # base, sft, grpo
+    assert sorted(state for stage, state, *_ in stages if stage == "eval") == ["Completed"] * 3
     retried = next(r for stage, state, r, _ in stages if stage == "grpo" and state == "Completed")
     assert f"(resume: {out / 'grpo' / f'checkpoint-{SAVE_STEPS}'})" in logs[str(retried.id)]
 
-    assert (out / "grpo" / "final" / "model.safetensors").is_file() and (out / "export" / "manifest.json").is_file()
+    assert ((out / "grpo" / "final" / "model.safetensors").is_file()
+            and (out / "export" / "manifest.json").is_file())
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     run_id = (out / "grpo" / "mlflow_run_id").read_text().strip()
     for key in ("loss", "reward"):

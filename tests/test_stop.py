@@ -45,14 +45,16 @@ def _start_driver(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
         from vlmexp.pipeline import processes
 
         def fake_run(args):  # what `vlmexp run` does around a stage: stream the launcher's output
-            processes.run_streaming([sys.executable, "-c", {launcher!r}], {{}}, lambda line: print(line, flush=True))
+            processes.run_streaming([sys.executable, "-c", {launcher!r}], {{}}, """
+                                      """lambda line: print(line, flush=True))
             return 0
 
         cli.cmd_validate = fake_run
         sys.exit(main(["validate", "x.yaml"]))
     """))
-    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            start_new_session=True)
     line = proc.stdout.readline()
     assert line.startswith("worker "), (line, proc.stderr.read() if proc.poll() is not None else "")
     worker = int(line.split()[1])
@@ -67,8 +69,9 @@ def _gone_soon(pid: int, seconds: float = 10) -> bool:
     return not _alive(pid)
 
 
-@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True),
-                                           (signal.SIGTERM, True), (signal.SIGHUP, True)])
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                           (signal.SIGINT, True), (signal.SIGTERM, True),
+                                           (signal.SIGHUP, True)])
 def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, to_group):
     """To the command alone (`kill PID`) or to its process group (a terminal's Ctrl-C, a closed terminal): the
     command passes the signal on to the stage, whose worker in a session of its own goes too, and exits with
@@ -85,10 +88,12 @@ def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, 
 
 
 def test_a_second_signal_kills_a_stage_that_has_not_stopped_at_once(tmp_path):
-    """A worker that ignores the stop gets `STOP_GRACE` seconds; a second Ctrl-C to the group ends it at once."""
+    """A worker that ignores the stop gets `STOP_GRACE` seconds; a second Ctrl-C to the group ends it at
+    once."""
     from vlmexp.pipeline.processes import STOP_GRACE
 
-    stubborn = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    stubborn = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); ")
     proc, worker = _start_driver(tmp_path, LAUNCHER.replace('"import time;', f'"{stubborn}import time;'))
     try:
         time.sleep(0.5)  # the worker has set its handlers
@@ -107,7 +112,8 @@ def test_a_second_signal_kills_a_stage_that_has_not_stopped_at_once(tmp_path):
 
 
 def test_a_second_ctrl_c_kills_at_once_what_the_first_asked_to_stop(tmp_path):
-    """A launcher and a worker that ignore SIGTERM get the grace period; a second Ctrl-C ends it with SIGKILL."""
+    """A launcher and a worker that ignore SIGTERM get the grace period; a second Ctrl-C ends it with
+    SIGKILL."""
     stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     launcher = stubborn + LAUNCHER.replace('"import time;', f'"{stubborn}import time;')
     driver = tmp_path / "driver.py"
@@ -137,7 +143,8 @@ def test_a_second_ctrl_c_kills_at_once_what_the_first_asked_to_stop(tmp_path):
         deadline = time.monotonic() + 5
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [pid for pid in pids if _alive(pid)], "a second Ctrl-C left the launcher or its worker running"
+        assert not [pid for pid in pids if _alive(pid)], ("a second Ctrl-C left the launcher or its worker "
+                                                          "running")
     except BaseException:  # leave nothing of the test running
         for pid in [proc.pid, *pids]:
             with contextlib.suppress(ProcessLookupError):
@@ -167,17 +174,18 @@ CLOSING = textwrap.dedent("""
 
 @pytest.mark.parametrize("signals, closed", [(2, True), (3, False)])
 def test_a_second_ctrl_c_lets_the_stop_be_recorded_and_a_third_leaves_at_once(tmp_path, signals, closed):
-    """Ctrl-C twice, the second after the stage has stopped: the run's records are still closed (a Prefect flow
-    run Cancelled, not Crashed by an interrupt in the middle); a third Ctrl-C leaves without waiting."""
+    """Ctrl-C twice, the second after the stage has stopped: the run's records are still closed (a Prefect
+    flow run Cancelled, not Crashed by an interrupt in the middle); a third Ctrl-C leaves without waiting."""
     driver = tmp_path / "driver.py"
     driver.write_text(CLOSING)
-    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
-                            bufsize=1)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            start_new_session=True, bufsize=1)
     try:
         assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.poll() is not None else ""
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
-        shown = list(iter(proc.stdout.readline, "closing\n"))  # the stage's last lines (its KeyboardInterrupt)
+        # the stage's last lines (its KeyboardInterrupt)
+        shown = list(iter(proc.stdout.readline, "closing\n"))
         assert proc.poll() is None and "started\n" not in shown, shown
         for _ in range(signals - 1):
             os.killpg(proc.pid, signal.SIGINT)
@@ -214,8 +222,8 @@ def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():
 
 @pytest.mark.slow
 def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
-    """`vlmexp run` starts Prefect's temporary server out of its process group (a terminal's Ctrl-C must not end
-    it); SIGKILL of the run, which no handler sees, still ends the server."""
+    """`vlmexp run` starts Prefect's temporary server out of its process group (a terminal's Ctrl-C must not
+    end it); SIGKILL of the run, which no handler sees, still ends the server."""
     import psutil
 
     driver = tmp_path / "driver.py"
@@ -231,8 +239,8 @@ def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env=env)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env=env)
     url = proc.stdout.readline().strip()
     assert url.startswith("http://127.0.0.1:") and url.endswith("/api"), url
     servers = [p for p in psutil.Process(proc.pid).children() if "uvicorn" in " ".join(p.cmdline())]
@@ -248,8 +256,8 @@ def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
-    """A stage run on another work pool is a subflow of the pipeline's task; Prefect leaves it running when the
-    pipeline stops, so the pipeline asks it to cancel (its worker then stops the stage's processes)."""
+    """A stage run on another work pool is a subflow of the pipeline's task; Prefect leaves it running when
+    the pipeline stops, so the pipeline asks it to cancel (its worker then stops the stage's processes)."""
     from prefect import flow, get_client, task
     from prefect.testing.utilities import prefect_test_harness
 
@@ -257,7 +265,8 @@ def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
     from flows.stopping import cancel_child_runs, on_stopped
 
     # a pipeline run that is cancelled, crashes or fails leaves no stage run of its own running
-    assert all(on_stopped in hooks for hooks in (vlm_pipeline.on_cancellation_hooks, vlm_pipeline.on_crashed_hooks,
+    assert all(on_stopped in hooks for hooks in (vlm_pipeline.on_cancellation_hooks,
+                                                 vlm_pipeline.on_crashed_hooks,
                                                  vlm_pipeline.on_failure_hooks))
 
     @flow(name="pipeline-like")

@@ -1,5 +1,6 @@
-"""Validation during training (eval.every_steps) and the best checkpoint: metrics by hand, config refusals, and
-real SFT / GRPO runs on the tiny model (MLflow read back, resume keeping the best, rotation sparing it)."""
+"""Validation during training (eval.every_steps) and the best checkpoint: metrics by hand, config refusals,
+and real SFT / GRPO runs on the tiny model (MLflow read back, resume keeping the best, rotation sparing
+it)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _rec_scorer(tmp_path, n_records: int):
     from vlmexp.processor import PixelBudget
 
     make_png(tmp_path / "wide.png", size=(1000, 500))
-    rec = {"image": "wide.png", "problem": "the box", "solution": [100, 50, 200, 100], "task": "rec", "completion": ""}
+    rec = {"image": "wide.png", "problem": "the box", "solution": [100, 50, 200, 100], "task": "rec",
+           "completion": ""}
     records, _ = read_predictions(write_jsonl(tmp_path / "p.jsonl", [rec] * n_records))
     budget = PixelBudget(14, 2, *RELEASED_PIXELS)
     return lambda completions: score_records(records, completions, "pixels", budget)
@@ -78,17 +80,19 @@ def test_refusals_at_config_load():
 
 
 def _sft_cli(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                           f"run.output_dir={out}", "data.demo.train=16", "data.demo.val=6", *SMALL_BATCHES,
-                           "sft.args.max_steps=5", "sft.args.save_steps=100", "sft.args.logging_steps=1",
-                           "eval.max_new_tokens=12", *overrides],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
+                           "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=16",
+                           "data.demo.val=6", *SMALL_BATCHES, "sft.args.max_steps=5",
+                           "sft.args.save_steps=100", "sft.args.logging_steps=1", "eval.max_new_tokens=12",
+                           *overrides],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.slow
 def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
-    """Greedy validation every 2 steps and at the last (5): val/* in the stage's MLflow run at those steps; the
-    trained weights are byte-identical to a run without validation."""
+    """Greedy validation every 2 steps and at the last (5): val/* in the stage's MLflow run at those steps;
+    the trained weights are byte-identical to a run without validation."""
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
@@ -96,7 +100,8 @@ def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
     plain = _sft_cli(tmp_path / "plain", "tracking.backend=none")
     validated = _sft_cli(tmp_path / "val", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
                          "eval.every_steps=2", "eval.during_training_samples=4")
-    assert plain.returncode == 0 and validated.returncode == 0, plain.stderr[-2000:] + validated.stderr[-2000:]
+    assert plain.returncode == 0 and validated.returncode == 0, (plain.stderr[-2000:]
+                                                                 + validated.stderr[-2000:])
     a, b = (load_file(tmp_path / d / "sft" / "final" / "model.safetensors") for d in ("plain", "val"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
@@ -114,16 +119,19 @@ def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
 
 
 def _assert_validation_pictures(client, run_id: str, out: Path, dest: Path) -> None:
-    """eval.during_training_pictures (4) held-out records as MLflow images `validation/record_<i>` at each validation
-    step (the image slider's steps), each at most 512 px a side, the ground truth green on its box's edges."""
+    """eval.during_training_pictures (4) held-out records as MLflow images `validation/record_<i>` at each
+    validation step (the image slider's steps), each at most 512 px a side, the ground truth green on its
+    box's edges."""
     from PIL import Image
 
     from vlmexp.data.record import read_sampled
     from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
 
     names = [a.path.split("/")[-1] for a in client.list_artifacts(run_id, "images")]
-    logged = sorted((n.split("+")[0], int(n.split("+")[2])) for n in names if not n.endswith("compressed.webp"))
-    assert logged == sorted((f"validation~record_{i:02d}", step) for i in range(4) for step in (2, 4, 5)), names
+    logged = sorted((n.split("+")[0], int(n.split("+")[2])) for n in names
+                    if not n.endswith("compressed.webp"))
+    assert logged == sorted((f"validation~record_{i:02d}", step) for i in range(4)
+                            for step in (2, 4, 5)), names
     assert client.get_run(run_id).data.tags.get("mlflow.loggedImages") == "True"
     first = next(n for n in names if n.startswith("validation~record_00+step+5+") and n.endswith(".png"))
     picture = Image.open(client.download_artifacts(run_id, f"images/{first}", str(dest))).convert("RGB")
@@ -138,15 +146,16 @@ def _assert_validation_pictures(client, run_id: str, out: Path, dest: Path) -> N
 
 @pytest.mark.slow
 def test_grpo_best_checkpoint_survives_rotation_and_resume(tmp_path):
-    """Sampled validation (N 2) every 2 steps; stopped after step 4, resumed to 6. The best so far (step 2: the
-    tiny random model scores 0 throughout, and a tie keeps the earlier step) survives the resume, and its
+    """Sampled validation (N 2) every 2 steps; stopped after step 4, resumed to 6. The best so far (step 2:
+    the tiny random model scores 0 throughout, and a tie keeps the earlier step) survives the resume, and its
     checkpoint survives save_total_limit 2, which deletes checkpoint-4."""
     from vlmexp.train.callbacks import StopAtStep
     from vlmexp.train.grpo import run_grpo
 
-    overrides = [f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
-                 *SMALL_BATCHES, "grpo.args.max_steps=6", "grpo.args.save_steps=2", "grpo.args.save_total_limit=2",
-                 "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+    overrides = [f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
+                 "data.demo.val=4", *SMALL_BATCHES, "grpo.args.max_steps=6", "grpo.args.save_steps=2",
+                 "grpo.args.save_total_limit=2", "grpo.args.logging_steps=1",
+                 "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
                  "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
                  "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}, {name: iou}]", "eval.every_steps=2",
                  "eval.during_training_n=2", "eval.during_training_temperature=1.0", "eval.max_new_tokens=8",
@@ -170,9 +179,9 @@ def test_grpo_best_checkpoint_survives_rotation_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path):  # noqa: F811 - fixture
-    """SFT validating every 2 of 4 steps, export.checkpoint: best: the best checkpoint (step 2, a tie with step 4
-    keeps the earlier) is evaluated as sft-best, exported (its weights, not final's), registered with its metric,
-    and the manifest says which step and why."""
+    """SFT validating every 2 of 4 steps, export.checkpoint: best: the best checkpoint (step 2, a tie with
+    step 4 keeps the earlier) is evaluated as sft-best, exported (its weights, not final's), registered with
+    its metric, and the manifest says which step and why."""
     from safetensors.torch import load_file
     from test_flow import DEMO, SMALL, _mlflow, _run
 
@@ -182,27 +191,31 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
     assert [row["model"] for row in result.evaluation] == ["base", "sft", "sft-best"]
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     chosen = manifest["checkpoint"]
-    assert (chosen["choice"], chosen["stage"], chosen["step"], chosen["metric"]) == ("best", "sft", 2, "val/rec_mean_iou")
+    assert (chosen["choice"], chosen["stage"], chosen["step"], chosen["metric"]) == ("best", "sft", 2,
+                                                                                     "val/rec_mean_iou")
     assert "at step 2" in chosen["reason"] and manifest["source"].endswith("sft/checkpoint-2")
-    exported, best = (load_file(p / "model.safetensors") for p in (out / "export", out / "sft" / "checkpoint-2"))
+    exported, best = (load_file(p / "model.safetensors")
+                      for p in (out / "export", out / "sft" / "checkpoint-2"))
     final = load_file(out / "sft" / "final" / "model.safetensors")
-    assert all((exported[k] == best[k]).all() for k in best) and any((best[k] != final[k]).any() for k in best)
+    assert (all((exported[k] == best[k]).all() for k in best)
+            and any((best[k] != final[k]).any() for k in best))
     sft_best = next(e for e in result.evaluations if e.name == "sft-best")
     assert result.promotion.value == sft_best.metrics["rec_mean_iou"]
 
     client, _, runs = _mlflow(out)
-    assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id, "val/rec_mean_iou")] == [2, 4]
+    assert [m.step for m in client.get_metric_history(runs["demo-sft"].info.run_id,
+                                                      "val/rec_mean_iou")] == [2, 4]
 
 
 @pytest.mark.slow
 def test_two_processes_validate_on_the_main_one_only(tmp_path):
-    """torchrun with 2 CPU processes (DDP over gloo): the main process generates and scores, the other waits and
-    takes the same decisions (a save at each new best); nothing hangs."""
+    """torchrun with 2 CPU processes (DDP over gloo): the main process generates and scores, the other waits
+    and takes the same decisions (a save at each new best); nothing hangs."""
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
-                        *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
-                        "sft.args.per_device_train_batch_size=2", "eval.every_steps=1", "eval.max_new_tokens=8",
-                        "launch.launcher=torchrun", "launch.nproc_per_node=2"],
+                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
+                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
+                        "sft.args.per_device_train_batch_size=2", "eval.every_steps=1",
+                        "eval.max_new_tokens=8", "launch.launcher=torchrun", "launch.nproc_per_node=2"],
                        capture_output=True, text=True, cwd=REPO, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -215,11 +228,13 @@ def test_two_processes_validate_on_the_main_one_only(tmp_path):
 @pytest.mark.slow
 def test_zero3_over_two_processes_is_refused_before_any_step(tmp_path):
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
-                        *SMALL_BATCHES, "sft.args.max_steps=2", "eval.every_steps=1", "launch.launcher=torchrun",
-                        "launch.nproc_per_node=2", "launch.deepspeed=configs/deepspeed/zero3.json"],
+                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
+                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "eval.every_steps=1",
+                        "launch.launcher=torchrun", "launch.nproc_per_node=2",
+                        "launch.deepspeed=configs/deepspeed/zero3.json"],
                        capture_output=True, text=True, cwd=REPO, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode != 0
-    assert "DeepSpeed ZeRO-3 shards the parameters over the 2 processes" in r.stderr and "zero2.json" in r.stderr
+    assert ("DeepSpeed ZeRO-3 shards the parameters over the 2 processes" in r.stderr
+            and "zero2.json" in r.stderr)
     assert not list((tmp_path / "sft").glob("checkpoint-*"))

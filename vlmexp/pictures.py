@@ -1,11 +1,12 @@
 """Pictures of what a model sees and says: a record's image with the ground truth and each model's boxes drawn
 on it, in original pixels, for MLflow (evaluation, GRPO's completion tables, validation during training).
 
-Boxes come from the rewards' own reading of an answer (`boxes_of`: `IoUReward.box`, `DetectionReward.objects`),
-which maps the family's frame (Qwen2-VL's and InternVL's 0-1000 grid, Qwen2.5-VL's resized pixels) to original
-pixels; nothing here reads an answer a second way. Every picture is a PNG of at most MAX_SIDE pixels a side (PNG:
-the colours on a box's edges stay exact). Each model has a fixed colour (COLOURS); the ground truth is green.
-Math and other text answers are shown as text beside the image, with their verdict.
+Boxes come from the rewards' own reading of an answer (`boxes_of`: `IoUReward.box`,
+`DetectionReward.objects`), which maps the family's frame (Qwen2-VL's and InternVL's 0-1000 grid, Qwen2.5-VL's
+resized pixels) to original pixels; nothing here reads an answer a second way. Every picture is a PNG of at
+most MAX_SIDE pixels a side (PNG: the colours on a box's edges stay exact). Each model has a fixed colour
+(COLOURS); the ground truth is green. Math and other text answers are shown as text beside the image, with
+their verdict.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from PIL import Image, ImageDraw, ImageFont
 MAX_SIDE = 512  # no picture is larger on either side
 RGB = tuple[int, int, int]
 TRUTH = "truth"
-# fixed colours (name, RGB) of the ground truth and of each stage's model; other names take OTHER_COLOURS in turn
+# fixed colours (name, RGB) of the ground truth and of each stage's model; other names take OTHER_COLOURS in
+# turn
 COLOURS: dict[str, tuple[str, RGB]] = {TRUTH: ("green", (0, 170, 0)), "base": ("grey", (128, 128, 128)),
                                        "sft": ("blue", (0, 90, 255)), "dpo": ("orange", (255, 140, 0)),
                                        "grpo": ("magenta", (230, 0, 230))}
@@ -44,9 +46,10 @@ def _rounded(box: Sequence[float]) -> list[float]:
 
 
 def boxes_of(scorers: Mapping[str, Any], text: str, columns: Mapping[str, list], i: int) -> dict[str, list]:
-    """{"truth": [...], "boxes": [...]} of sample `i`, each a {"box": [x1, y1, x2, y2], "label": str} in original
-    pixels: the ground truth and the completion `text`'s boxes as the iou and detection rewards of `scorers`
-    (vlmexp.evaluate.build_scorers) read them. An unreadable answer has no boxes; other tasks give {}."""
+    """{"truth": [...], "boxes": [...]} of sample `i`, each a {"box": [x1, y1, x2, y2], "label": str} in
+    original pixels: the ground truth and the completion `text`'s boxes as the iou and detection rewards of
+    `scorers` (vlmexp.evaluate.build_scorers) read them. An unreadable answer has no boxes; other tasks give
+    {}."""
     from vlmexp.coords import parse_box
     from vlmexp.detection import gold_objects
     from vlmexp.rewards import Unparsable
@@ -59,7 +62,8 @@ def boxes_of(scorers: Mapping[str, Any], text: str, columns: Mapping[str, list],
     elif task == "detection":
         method = columns["accu_reward_method"][i]
         read = scorers["detection"].fn.objects(text, solution, method, sizes)
-        found, truth = ([], gold_objects(solution, method)) if isinstance(read, Unparsable) else (read[0], read[2])
+        found, truth = (([], gold_objects(solution, method)) if isinstance(read, Unparsable)
+                        else (read[0], read[2]))
     else:
         return {}
     return {"truth": [{"box": _rounded(b), "label": label} for b, label in truth],
@@ -68,7 +72,8 @@ def boxes_of(scorers: Mapping[str, Any], text: str, columns: Mapping[str, list],
 
 @dataclass
 class Answer:
-    """One model's answer on a record, as drawn: its boxes in original pixels, its answer text and its score."""
+    """One model's answer on a record, as drawn: its boxes in original pixels, its answer text and its
+    score."""
 
     model: str
     boxes: list[dict[str, Any]] = field(default_factory=list)
@@ -96,8 +101,8 @@ def shown_records(models: Mapping[str, Sequence[Mapping[str, Any]]], count: int)
     for i, row in enumerate(first[:count]):
         answers = [Answer(name, list(models[name][i].get("boxes", [])), models[name][i].get("answer"),
                           models[name][i].get("score")) for name in names]
-        out.append(Shown(row.get("image", ""), row["task"], list(row.get("truth", [])), str(row.get("solution", "")),
-                         answers))
+        out.append(Shown(row.get("image", ""), row["task"], list(row.get("truth", [])),
+                         str(row.get("solution", "")), answers))
     return out
 
 
@@ -134,7 +139,8 @@ def draw_boxes(canvas: Image.Image, scale: float, boxes: Sequence[Mapping[str, A
 
 
 def boxed_image(shown: Shown, side: int, palette: Mapping[str, tuple[str, RGB]]) -> Image.Image:
-    """The record's image at `side` pixels (its longer side) with the ground truth, then each answer's boxes."""
+    """The record's image at `side` pixels (its longer side) with the ground truth, then each answer's
+    boxes."""
     canvas, scale = open_image(shown.image, side)
     labels = shown.task == "detection"
     draw_boxes(canvas, scale, shown.truth, COLOURS[TRUTH][1], labels)
@@ -192,7 +198,8 @@ def record_picture(shown: Shown, palette: Mapping[str, tuple[str, RGB]] | None =
     palette = palette or colours([a.model for a in shown.answers])
     image = boxed_image(shown, min(side, MAX_SIDE - PANEL), palette)
     face = font()
-    rows = [(piece, rgb) for text, rgb in panel_lines(shown, palette) for piece in wrap(text, PANEL - 12, face)]
+    rows = [(piece, rgb) for text, rgb in panel_lines(shown, palette)
+            for piece in wrap(text, PANEL - 12, face)]
     height = min(MAX_SIDE, max(image.height, 8 + 16 * len(rows)))
     canvas = Image.new("RGB", (image.width + PANEL, height), (255, 255, 255))
     canvas.paste(image, (0, 0))
@@ -215,7 +222,8 @@ def grid_picture(shown: Sequence[Shown], title: str = "") -> Image.Image:
     rows = max(1, math.ceil(len(shown) / cols))
     legend, gap = 34, 2
     tile = max(16, min((MAX_SIDE - gap * (cols - 1)) // cols, (MAX_SIDE - legend - gap * (rows - 1)) // rows))
-    canvas = Image.new("RGB", (cols * tile + gap * (cols - 1), legend + rows * tile + gap * (rows - 1)), (255,) * 3)
+    canvas = Image.new("RGB", (cols * tile + gap * (cols - 1), legend + rows * tile + gap * (rows - 1)),
+                       (255,) * 3)
     draw, face = ImageDraw.Draw(canvas), font(11)
     draw.text((4, 2), title, fill=(0, 0, 0), font=face)
     x = 4
@@ -239,8 +247,8 @@ def mean_label(shown: Sequence[Shown], model: str) -> str:
 def completion_picture(image: str, truth: Sequence[Mapping[str, Any]], boxes: Sequence[Mapping[str, Any]],
                        reward: float | None, advantage: float | None, model: str = "grpo",
                        side: int = 256, task: str = "rec") -> Image.Image:
-    """A GRPO completion for its table: the image (longer side `side`) with the ground truth and the completion's
-    boxes, and its reward and advantage written under it."""
+    """A GRPO completion for its table: the image (longer side `side`) with the ground truth and the
+    completion's boxes, and its reward and advantage written under it."""
     shown = Shown(image, task, list(truth), "", [Answer(model, list(boxes))])
     top = boxed_image(shown, side, colours([model]))
     canvas = Image.new("RGB", (top.width, top.height + 18), (255, 255, 255))
@@ -263,16 +271,18 @@ def save_png(image: Image.Image, path: str | Path) -> Path:
     return atomic_write(path, buffer.getvalue())
 
 
-def write_evaluation_pictures(models: Mapping[str, Sequence[Mapping[str, Any]]], count: int, folder: str | Path,
-                              title: str = "") -> list[Path]:
-    """record_000.png ... (one per record, the first `count` of the per-sample rows {model: rows}) and grid.png
-    (all of them) in `folder`; [] when `count` is 0 or there are no rows. Returns the files, the grid last."""
+def write_evaluation_pictures(models: Mapping[str, Sequence[Mapping[str, Any]]], count: int,
+                              folder: str | Path, title: str = "") -> list[Path]:
+    """record_000.png ... (one per record, the first `count` of the per-sample rows {model: rows}) and
+    grid.png (all of them) in `folder`; [] when `count` is 0 or there are no rows. Returns the files, the grid
+    last."""
     shown = shown_records(models, count)
     if not shown:
         return []
     palette = colours(list(models))
     folder = Path(folder)
-    files = [save_png(record_picture(s, palette), folder / f"record_{i:03d}.png") for i, s in enumerate(shown)]
+    files = [save_png(record_picture(s, palette), folder / f"record_{i:03d}.png")
+             for i, s in enumerate(shown)]
     return [*files, save_png(grid_picture(shown, title), folder / GRID)]
 
 

@@ -30,7 +30,8 @@ def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "", 
              "| stage | status | seconds | output |", "|---|---|---|---|"]
     for stage, result in run.stages.items():
         lines.append(f"| {stage} | disabled | | |" if result is None else
-                     f"| {stage} | {stage_status(result, run.flow_run_id)} | {result.seconds:.1f} | `{result.final}` |")
+                     f"| {stage} | {stage_status(result, run.flow_run_id)} | {result.seconds:.1f} | "
+                     f"`{result.final}` |")
     if run.evaluations:
         lines += ["", "## Evaluation", "", markdown_table(run.evaluation)]
         if grid:
@@ -48,7 +49,8 @@ def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "", 
 
 
 def summary_tags(run: PipelineResult) -> dict[str, str]:
-    """Tags of the parent run: each trained stage's status (trained or skipped) and whether export promoted."""
+    """Tags of the parent run: each trained stage's status (trained or skipped) and whether export
+    promoted."""
     tags = {f"stage.{s.stage}": stage_status(s, run.flow_run_id).split(":")[0] for s in run.trained}
     if run.promotion is not None:
         tags["export.promoted"] = str(run.promotion.promoted).lower()

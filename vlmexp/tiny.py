@@ -30,17 +30,19 @@ _WORDS = (
 
 
 class TinySpec(TinyModelConfig):
-    """The config's tiny sizes (`model.tiny`, `TinyModelConfig`) plus what it leaves to follow from them, which a
-    published checkpoint's shape sets (SHAPES). Frozen: SHAPES are constants."""
+    """The config's tiny sizes (`model.tiny`, `TinyModelConfig`) plus what it leaves to follow from them,
+    which a published checkpoint's shape sets (SHAPES). Frozen: SHAPES are constants."""
 
     model_config = ConfigDict(frozen=True)
 
     head_dim: int | None = None  # text attention; Qwen2(.5)-VL requires hidden_size = num_heads x head_dim
     model_vocab_size: int | None = None  # embedding rows; default: the tokenizer's length rounded up to 64
     vision_intermediate_size: int | None = None  # default: 2 x vision_hidden_size
-    vision_fullatt_blocks: tuple[int, ...] | None = None  # qwen2_5_vl windowed attention; default: the last block
+    # qwen2_5_vl windowed attention; default: the last block
+    vision_fullatt_blocks: tuple[int, ...] | None = None
     mrope_section: tuple[int, int, int] | None = None  # default: split of head_dim / 2 (it must sum to that)
-    tile_size: int | None = None  # internvl: a tile's side; default 112 (16 tokens a tile; released checkpoints: 448)
+    # internvl: a tile's side; default 112 (16 tokens a tile; released checkpoints: 448)
+    tile_size: int | None = None
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -55,15 +57,17 @@ class TinySpec(TinyModelConfig):
 # Qwen/Qwen2.5-VL-7B-Instruct config.json: text hidden_size 3584, intermediate_size 18944, num_hidden_layers
 # 28, num_attention_heads 28 (head_dim 128), num_key_value_heads 4, vocab_size 152064, rope_theta 1e6,
 # mrope_section [16, 24, 24], tie_word_embeddings false; vision as the 3B's (out_hidden_size 3584).
-_QWEN25_VISION = dict(vision_hidden_size=1280, vision_intermediate_size=3420, vision_depth=32, vision_heads=16,
-                      vision_fullatt_blocks=(7, 15, 23, 31))
+_QWEN25_VISION = dict(vision_hidden_size=1280, vision_intermediate_size=3420, vision_depth=32,
+                      vision_heads=16, vision_fullatt_blocks=(7, 15, 23, 31))
 SHAPES: dict[str, TinySpec] = {
-    "qwen2.5-vl-3b": TinySpec(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2,
-                              head_dim=128, model_vocab_size=151936, mrope_section=(16, 24, 24), rope_theta=1e6,
-                              max_position_embeddings=128000, tie_word_embeddings=True, **_QWEN25_VISION),
-    "qwen2.5-vl-7b": TinySpec(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
-                              head_dim=128, model_vocab_size=152064, mrope_section=(16, 24, 24), rope_theta=1e6,
-                              max_position_embeddings=128000, tie_word_embeddings=False, **_QWEN25_VISION),
+    "qwen2.5-vl-3b": TinySpec(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+                              num_kv_heads=2, head_dim=128, model_vocab_size=151936,
+                              mrope_section=(16, 24, 24), rope_theta=1e6, max_position_embeddings=128000,
+                              tie_word_embeddings=True, **_QWEN25_VISION),
+    "qwen2.5-vl-7b": TinySpec(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                              num_kv_heads=4, head_dim=128, model_vocab_size=152064,
+                              mrope_section=(16, 24, 24), rope_theta=1e6, max_position_embeddings=128000,
+                              tie_word_embeddings=False, **_QWEN25_VISION),
 }
 
 
@@ -159,15 +163,16 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2_5_vl", spec: TinyS
         )
         image_processor = fam.tiny_image_processor(spec)
         processor = fam.tiny_processor(image_processor, tokenizer, spec)
-        model.save_pretrained(tmp, is_main_process=True)  # whatever rank builds it (under a launcher) writes it
+        # whatever rank builds it (under a launcher) writes it
+        model.save_pretrained(tmp, is_main_process=True)
         processor.save_pretrained(tmp)  # with preprocessor_config.json, as real checkpoints ship
         (tmp / "vlmexp_tiny.json").write_text(json.dumps({"family": fam.name, **spec.model_dump()}, indent=2))
     return Path(out_dir)
 
 
 def make_tiny_reward_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
-    """Write a random-weight text reward model (Qwen2ForSequenceClassification, one label) with the tiny model's
-    tokenizer and chat template to `out_dir`: what the `reward_model` reward loads, offline."""
+    """Write a random-weight text reward model (Qwen2ForSequenceClassification, one label) with the tiny
+    model's tokenizer and chat template to `out_dir`: what the `reward_model` reward loads, offline."""
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
@@ -175,10 +180,10 @@ def make_tiny_reward_model(out_dir: str | Path, spec: TinySpec | None = None) ->
     with new_folder(out_dir) as tmp:
         tokenizer = build_tokenizer(fam, spec)
         text = fam.tiny_config(spec, tokenizer).text_config
-        config = Qwen2Config(vocab_size=text.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-                             intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
-                             num_key_value_heads=spec.num_kv_heads, num_labels=1, pad_token_id=text.pad_token_id,
-                             eos_token_id=text.eos_token_id)
+        config = Qwen2Config(vocab_size=text.vocab_size, hidden_size=spec.hidden_size,
+                             num_hidden_layers=spec.num_layers, intermediate_size=spec.intermediate_size,
+                             num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                             num_labels=1, pad_token_id=text.pad_token_id, eos_token_id=text.eos_token_id)
         torch.manual_seed(spec.seed)
         Qwen2ForSequenceClassification(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

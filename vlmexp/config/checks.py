@@ -8,8 +8,8 @@ the file:line (or override) that set it. Two kinds:
   by entry, so its problems come with the schema's own, all at once. `check_sections` (always run too, on the
   validated config) checks what one section asks of another, naming the field that asks.
 - The checks with side effects run only when the loader is asked to: `check_trl_config` builds TRL's argument
-  classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child process
-  (its top-level code runs there), and `vlmexp.config.path_checks` probes the file system.
+  classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child
+  process (its top-level code runs there), and `vlmexp.config.path_checks` probes the file system.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def check_names(raw: dict[str, Any]) -> list[Found]:
             out += _grader_problem((*loc, "kwargs", "grader"), spec.kwargs["grader"])
         if spec.name == "exact" and spec.kwargs.get("default_match", "vlm_r1") not in DEFAULT_MATCHES:
             out.append(((*loc, "kwargs", "default_match"), spec.kwargs["default_match"],
-                        f"how the exact reward scores accu_reward_method 'default': one of {', '.join(DEFAULT_MATCHES)} "
+                        "how the exact reward scores accu_reward_method 'default': one of "
+                        f"{', '.join(DEFAULT_MATCHES)} "
                         "(vlm_r1: VLM-R1's default_accuracy_reward, partial credit; exact: equality)"))
     grader = (raw.get("eval") or {}).get("math_grader") if isinstance(raw.get("eval"), dict) else None
     if grader is not None:
@@ -88,15 +89,16 @@ def check_sections(cfg: Config) -> list[Found]:
     exporting the best checkpoint needs validation during training, and checkpoints saved by step."""
     out: list[Found] = []
     d, every = cfg.data, cfg.eval.every_steps
-    held_out = d.demo is not None or any(x is not None for x in (d.val_datasets, d.val_data_yaml, d.val_fraction))
+    held_out = d.demo is not None or any(x is not None for x in (d.val_datasets, d.val_data_yaml,
+                                                                 d.val_fraction))
     if every and not held_out:
         out.append((("eval", "every_steps"), every, "validation during training needs held-out records: set "
                     "data.val_datasets, data.val_data_yaml or data.val_fraction, or eval.every_steps: 0"))
     if cfg.export.checkpoint == "best":
         if not every:
-            out.append((("export", "checkpoint"), "best", "export.checkpoint: best picks the checkpoint with the best "
-                        "validation during training, and eval.every_steps is off: set eval.every_steps (e.g. 25), or "
-                        "export.checkpoint: last"))
+            out.append((("export", "checkpoint"), "best", "export.checkpoint: best picks the checkpoint with "
+                        "the best validation during training, and eval.every_steps is off: set "
+                        "eval.every_steps (e.g. 25), or export.checkpoint: last"))
         for stage in TRAINING_STAGES:
             if getattr(cfg, stage).enabled and getattr(cfg, stage).args.get("save_strategy") == "no":
                 out.append(((stage, "args", "save_strategy"), "no", "export.checkpoint: best keeps the best "
@@ -106,8 +108,9 @@ def check_sections(cfg: Config) -> list[Found]:
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:
-    """Import each module:function reward's module in a child process (`vlmexp.rewards_loader.check_custom_reward`):
-    it must import, within the time limit, and name a callable."""
+    """Import each module:function reward's module in a child process
+    (`vlmexp.rewards_loader.check_custom_reward`): it must import, within the time limit, and name a
+    callable."""
     from vlmexp.rewards_loader import REWARDS, check_custom_reward, check_reward_name
 
     out: list[Found] = []
@@ -126,7 +129,8 @@ def check_reward_imports(cfg: Config) -> list[Found]:
 
 
 def check_trl_config(cfg: Config) -> list[Found]:
-    """Build each training stage's TRL config class from its `args` (`vlmexp.config.trl_args.check_trl_args`)."""
+    """Build each training stage's TRL config class from its `args`
+    (`vlmexp.config.trl_args.check_trl_args`)."""
     from vlmexp.config.trl_args import check_trl_args
 
     out: list[Found] = []

@@ -1,6 +1,6 @@
-"""The config sections of the training stages and what follows them: SFT, DPO (with its preference pairs) and GRPO
-(with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see `vlmexp.config.schema`,
-whose root `Config` holds these sections): pydantic only."""
+"""The config sections of the training stages and what follows them: SFT, DPO (with its preference pairs) and
+GRPO (with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see
+`vlmexp.config.schema`, whose root `Config` holds these sections): pydantic only."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ LM_LORA_TARGETS = r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"
 class PeftConfig(Section):
     """LoRA on the language model (QLoRA: the base loaded in 4 bits, CUDA + bitsandbytes only)."""
 
-    method: Literal["lora", "qlora"] = Field("lora", description="lora, or qlora: LoRA on a 4-bit base (CUDA + "
-                                                                 "bitsandbytes).")
+    method: Literal["lora", "qlora"] = Field("lora", description="lora, or qlora: LoRA on a 4-bit base (CUDA "
+                                                                 "+ bitsandbytes).")
     r: PositiveInt = Field(16, description="LoRA rank.")
     alpha: PositiveInt = Field(32, description="LoRA scaling numerator (the update is scaled by alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA path.")
@@ -30,7 +30,8 @@ class PeftConfig(Section):
 
 
 class StageConfig(Section):
-    enabled: bool = Field(True, description="Run this stage; off, the next stage starts from the previous model.")
+    enabled: bool = Field(True, description="Run this stage; off, the next stage starts from the previous "
+                                            "model.")
     args: dict[str, Any] = Field(default_factory=dict, description="Passed through to TRL's config class.")
     peft: PeftConfig | None = Field(None, description="LoRA/QLoRA; null = full fine-tuning.")
     freeze_vision: bool = Field(False, description="Full fine-tuning: keep the vision tower's weights fixed.")
@@ -40,9 +41,9 @@ class StageConfig(Section):
     @model_validator(mode="after")
     def _resumable(self) -> StageConfig:
         if self.resume and self.args.get("save_only_model"):
-            raise ValueError("args.save_only_model: true writes checkpoints without optimizer, scheduler and RNG "
-                             "state, so a resumed run would not continue where it stopped; remove it, or set "
-                             "resume: false")
+            raise ValueError("args.save_only_model: true writes checkpoints without optimizer, scheduler and "
+                             "RNG state, so a resumed run would not continue where it stopped; remove it, or "
+                             "set resume: false")
         if self.peft is not None and (self.freeze_vision or self.freeze_merger):
             raise ValueError("freeze_vision/freeze_merger apply to full fine-tuning; with peft only the "
                              "adapters train already: remove them")
@@ -53,11 +54,11 @@ class SFTStageConfig(StageConfig):
     """Supervised fine-tuning with trl.SFTTrainer; `args` are trl.SFTConfig fields."""
 
     target_template: str | None = Field(
-        None, description="What SFT trains on for records that are not rec (whose target is built from the box): "
-        "this text with {answer} (the record's answer or solution) and optionally {problem}, e.g. "
-        "'<think>...</think><answer>{answer}</answer>'. Default null: pairs records train on their chosen answer "
-        "and conversations records on their gpt turn as written, and SFT refuses, before any step, records that "
-        "hold only a ground truth (EasyR1's answer).")
+        None, description="What SFT trains on for records that are not rec (whose target is built from the "
+        "box): this text with {answer} (the record's answer or solution) and optionally {problem}, e.g. "
+        "'<think>...</think><answer>{answer}</answer>'. Default null: pairs records train on their chosen "
+        "answer and conversations records on their gpt turn as written, and SFT refuses, before any step, "
+        "records that hold only a ground truth (EasyR1's answer).")
 
     @field_validator("target_template")
     @classmethod
@@ -68,33 +69,36 @@ class SFTStageConfig(StageConfig):
 
 
 class RewardSpec(Section):
-    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, math, exact, "
-                      "detection, judge, reward_model) "
-                      "or module:function. The loader checks the name; its `import_rewards` switch (on in `vlmexp "
-                      "validate`, `run` and `train`) also imports a module:function's module, in a child process.")
+    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, "
+                      "math, exact, detection, judge, reward_model) or module:function. The loader checks "
+                      "the name; its `import_rewards` switch (on in `vlmexp validate`, `run` and `train`) "
+                      "also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with "
-                                                                     "(e.g. iou_threshold's threshold; exact's "
-                                                                     "default_match: vlm_r1 | exact).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built "
+                                                                     "with (e.g. iou_threshold's threshold; "
+                                                                     "exact's default_match: vlm_r1 | "
+                                                                     "exact).")
 
 
 class DifficultyFilterConfig(Section):
-    """GRPO's dynamic sampling, done offline: before training, the start model samples `num_samples` completions
-    per training prompt, scored like GRPO's; prompt groups whose scores carry no signal (all equal) or whose mean
-    lies outside (low, high) are dropped, and GRPO trains on the rest (EasyR1's online_filtering semantics)."""
+    """GRPO's dynamic sampling, done offline: before training, the start model samples `num_samples`
+    completions per training prompt, scored like GRPO's; prompt groups whose scores carry no signal (all
+    equal) or whose mean lies outside (low, high) are dropped, and GRPO trains on the rest (EasyR1's
+    online_filtering semantics)."""
 
     enabled: bool = Field(False, description="Filter the training prompts before GRPO; off by default.")
-    num_samples: int = Field(8, ge=2, description="Completions per prompt (use grpo.args.num_generations to see "
-                                                  "the groups GRPO will see).")
+    num_samples: int = Field(8, ge=2, description="Completions per prompt (use grpo.args.num_generations to "
+                                                  "see the groups GRPO will see).")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; default: GRPO's "
                                                               "(grpo.args.temperature, TRL's default 1.0).")
     max_new_tokens: PositiveInt | None = Field(None, description="Tokens per completion; default: GRPO's "
                                                                  "max_completion_length.")
     reward: str = Field("overall", description="What a group is judged by: overall (the weighted sum of "
-                                               "grpo.rewards GRPO's advantages come from; EasyR1's filter_key) or the "
-                                               "name of one of grpo.rewards.")
+                                               "grpo.rewards GRPO's advantages come from; EasyR1's "
+                                               "filter_key) or the name of one of grpo.rewards.")
     low: float | None = Field(None, description="Keep a prompt only if its group's mean score is above this "
-                                                "(EasyR1's filter_low, 0.01 there for a 0/1 accuracy). Default: no bound.")
+                                                "(EasyR1's filter_low, 0.01 there for a 0/1 accuracy). "
+                                                "Default: no bound.")
     high: float | None = Field(None, description="Keep a prompt only if its group's mean score is below this "
                                                  "(EasyR1's filter_high, 0.99 there). Default: no bound.")
     batch_size: PositiveInt = Field(8, description="Prompts per generate call while sampling.")
@@ -102,7 +106,8 @@ class DifficultyFilterConfig(Section):
     @model_validator(mode="after")
     def _bounds(self) -> DifficultyFilterConfig:
         if self.low is not None and self.high is not None and self.low >= self.high:
-            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie between them")
+            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie "
+                             "between them")
         return self
 
 
@@ -116,33 +121,35 @@ class GRPOStageConfig(StageConfig):
         "merge", description="When starting from an SFT LoRA adapter: merge it into the base (then train in "
                              "full or with a new grpo.peft), or continue training that adapter.")
     difficulty_filter: DifficultyFilterConfig = Field(
-        default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards carry "
-        "no signal before GRPO trains (dynamic sampling, offline); off by default.")
+        default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards "
+        "carry no signal before GRPO trains (dynamic sampling, offline); off by default.")
 
     @model_validator(mode="after")
     def _adapter_mode(self) -> GRPOStageConfig:
         if self.sft_adapter == "continue" and self.peft is not None:
-            raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove grpo.peft, "
-                             "or use sft_adapter: merge to add a new adapter on the merged model")
+            raise ValueError("sft_adapter: continue trains the SFT stage's adapter as it is; remove "
+                             "grpo.peft, or use sft_adapter: merge to add a new adapter on the merged model")
         names = [r.name for r in self.rewards]
         if self.difficulty_filter.reward not in ("overall", *names):
-            raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor one of "
-                             f"grpo.rewards {names}; name one of them")
+            raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor "
+                             f"one of grpo.rewards {names}; name one of them")
         return self
 
 
 class DPOPairsConfig(Section):
     """Where DPO's preference pairs come from."""
 
-    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     from_: Literal["data", "samples"] = Field(
-        "data", alias="from", description="data: records with chosen/rejected answers; samples: the start model's "
-        "own completions for the training prompts, scored with grpo.rewards, best vs worst.")
+        "data", alias="from", description="data: records with chosen/rejected answers; samples: the start "
+        "model's own completions for the training prompts, scored with grpo.rewards, best vs worst.")
     num_samples: int = Field(4, ge=2, description="samples: completions per prompt.")
     temperature: float = Field(1.0, gt=0, description="samples: sampling temperature.")
     max_new_tokens: PositiveInt = Field(64, description="samples: tokens per completion.")
-    min_margin: float = Field(0.1, ge=0, description="samples: keep a pair only when best - worst reward >= this.")
+    min_margin: float = Field(0.1, ge=0, description="samples: keep a pair only when best - worst reward >= "
+                                                     "this.")
     batch_size: PositiveInt = Field(8, description="samples: prompts per generate call.")
 
 
@@ -152,14 +159,14 @@ class DPOStageConfig(StageConfig):
     (precompute_ref_log_probs is refused by TRL 1.16 for image data)."""
 
     enabled: bool = Field(False, description="Run DPO (between SFT and GRPO); off by default.")
-    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig, description="Where the preference pairs come "
-                                                                                "from.")
+    pairs: DPOPairsConfig = Field(default_factory=DPOPairsConfig, description="Where the preference pairs "
+                                                                              "come from.")
 
     @model_validator(mode="after")
     def _no_precompute(self) -> DPOStageConfig:
         if self.args.get("precompute_ref_log_probs"):
-            raise ValueError("args.precompute_ref_log_probs: TRL 1.16's DPOTrainer refuses it for image data; "
-                             "remove it (use peft for a reference model without a copy)")
+            raise ValueError("args.precompute_ref_log_probs: TRL 1.16's DPOTrainer refuses it for image "
+                             "data; remove it (use peft for a reference model without a copy)")
         return self
 
 
@@ -170,17 +177,17 @@ class EvalConfig(Section):
     batch_size: PositiveInt = Field(8, description="Records per generate call.")
     max_new_tokens: PositiveInt = Field(128, description="Tokens generated per record.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
-    max_samples: PositiveInt | None = Field(None, description="Evaluate on the first N held-out records only; "
-                                                              "default: all.")
+    max_samples: PositiveInt | None = Field(None, description="Evaluate on the first N held-out records "
+                                                              "only; default: all.")
     math_grader: Literal["math_verify", "mathruler"] | None = Field(
-        None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's and "
-                          "verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their figures. "
-                          "Default: the grader of grpo.rewards' math entry, else math_verify.")
+        None, description="Who grades math answers for math_accuracy: math_verify, or mathruler (EasyR1's "
+                          "and verl's grader, `pip install 'vlmexp[mathruler]'`) to compare with their "
+                          "figures. Default: the grader of grpo.rewards' math entry, else math_verify.")
     every_steps: int | None = Field(
-        None, ge=0, description="Validate during SFT, DPO and GRPO every N optimizer steps and at the last step: "
-        "generate on the first eval.during_training_samples held-out records in the stage process and score them "
-        "with this evaluation's scorers, logged to the stage's MLflow run as val/<metric> at that step. 0 or null: "
-        "off (the default).")
+        None, ge=0, description="Validate during SFT, DPO and GRPO every N optimizer steps and at the last "
+        "step: generate on the first eval.during_training_samples held-out records in the stage process and "
+        "score them with this evaluation's scorers, logged to the stage's MLflow run as val/<metric> at that "
+        "step. 0 or null: off (the default).")
     during_training_samples: PositiveInt = Field(
         64, description="Held-out records each validation during training generates on (the first N of the "
         "sampled held-out file); with max_new_tokens and during_training_n it bounds a validation's cost.")
@@ -192,9 +199,10 @@ class EvalConfig(Section):
     during_training_temperature: float = Field(
         0.0, ge=0, description="Sampling temperature of validation during training; 0 = greedy (needs "
         "during_training_n: 1).")
-    pictures: int = Field(16, ge=0, le=256, description="Draw the first N held-out records with the ground truth "
-        "and each evaluated model's boxes (PNG, at most 512 px a side): <output_dir>/eval/<model>/pictures/, and in "
-        "the pipeline's MLflow evaluation run evaluation/pictures/ (every model on one picture, and a grid). 0: none.")
+    pictures: int = Field(16, ge=0, le=256, description="Draw the first N held-out records with the ground "
+        "truth and each evaluated model's boxes (PNG, at most 512 px a side): "
+        "<output_dir>/eval/<model>/pictures/, and in the pipeline's MLflow evaluation run "
+        "evaluation/pictures/ (every model on one picture, and a grid). 0: none.")
     during_training_pictures: int = Field(4, ge=0, le=64, description="At each validation during training "
         "(eval.every_steps), log the first N held-out records with the current model's box as MLflow images "
         "(validation/record_<i>, one per step: the image slider shows the box move). At most "
@@ -203,14 +211,16 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _samples_differ(self) -> EvalConfig:
         if self.during_training_n > 1 and self.during_training_temperature == 0:
-            raise ValueError(f"during_training_n: {self.during_training_n} greedy completions of one record are all "
-                             "the same; set during_training_temperature > 0 (e.g. 1.0), or during_training_n: 1")
+            raise ValueError(f"during_training_n: {self.during_training_n} greedy completions of one record "
+                             "are all the same; set during_training_temperature > 0 (e.g. 1.0), or "
+                             "during_training_n: 1")
         return self
 
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
-METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy", "exact_accuracy",
-               "detection_reward", "detection_ap", "detection_ap50", "judge_score", "reward_model_score")
+METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy",
+               "exact_accuracy", "detection_reward", "detection_ap", "detection_ap50", "judge_score",
+               "reward_model_score")
 
 
 class ExportConfig(Section):
@@ -218,26 +228,28 @@ class ExportConfig(Section):
 
     enabled: bool = Field(True, description="Export the last trained model (a self-contained folder with "
                                             "manifest.json) and register it.")
-    merge_lora: bool = Field(True, description="Merge a LoRA adapter into the base weights; false: export the "
-                                               "adapter folder as it is.")
-    registered_name: str | None = Field(None, description="Registered model name in MLflow; default: run.name.")
-    metric: str = Field("rec_mean_iou", description="The evaluation metric that decides whether a new version "
-                                                    "takes the `champion` alias.")
+    merge_lora: bool = Field(True, description="Merge a LoRA adapter into the base weights; false: export "
+                                               "the adapter folder as it is.")
+    registered_name: str | None = Field(None, description="Registered model name in MLflow; default: "
+                                                          "run.name.")
+    metric: str = Field("rec_mean_iou", description="The evaluation metric that decides whether a new "
+                                                    "version takes the `champion` alias.")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a higher or a lower "
                                                                                "metric is better.")
     registration: Literal["auto", "copy", "reference"] = Field(
-        "auto", description="How the export is registered: copy (its files uploaded into MLflow), reference (the "
-                            "version points at them where they are: a hard-linked snapshot in the output folder, or "
-                            "export.reference_uri), or auto: copy up to export.copy_max_gib, reference above.")
+        "auto", description="How the export is registered: copy (its files uploaded into MLflow), reference "
+                            "(the version points at them where they are: a hard-linked snapshot in the "
+                            "output folder, or export.reference_uri), or auto: copy up to "
+                            "export.copy_max_gib, reference above.")
     copy_max_gib: float = Field(1.0, gt=0, description="auto: the largest export (GiB) registered by copy.")
-    reference_uri: str | None = Field(None, description="reference: where the version points instead of a snapshot, "
-                                                        "e.g. s3://bucket/models/demo-v7; it must hold this export "
-                                                        "(its manifest.json is compared).")
+    reference_uri: str | None = Field(None, description="reference: where the version points instead of a "
+                                                        "snapshot, e.g. s3://bucket/models/demo-v7; it must "
+                                                        "hold this export (its manifest.json is compared).")
     checkpoint: Literal["last", "best"] = Field(
-        "last", description="What is exported and registered: last, the last trained stage's final model; best, "
-        "that stage's checkpoint with the best validation during training (export.metric in export.direction, "
-        "as val/<metric>, or val/<metric>/mean_at_N with eval.during_training_n > 1), which is kept out of "
-        "checkpoint rotation. best needs eval.every_steps.")
+        "last", description="What is exported and registered: last, the last trained stage's final model; "
+        "best, that stage's checkpoint with the best validation during training (export.metric in "
+        "export.direction, as val/<metric>, or val/<metric>/mean_at_N with eval.during_training_n > 1), "
+        "which is kept out of checkpoint rotation. best needs eval.every_steps.")
 
     @field_validator("metric")
     @classmethod
@@ -248,32 +260,37 @@ class ExportConfig(Section):
 
 
 class GenerationConfig(Section):
-    """How every stage that generates text generates it (GRPO's rollouts through TRL, DPO's sampling, the difficulty
-    filter, validation during training and evaluation): one code path, `vlmexp.generation`. A compiled decoder runs
-    each token step as one graph (a static key/value cache holds fixed-size tensors); it is compiled once per batch
-    size and prompt-length bucket, so prompts are left-padded up to a multiple of `prompt_bucket` tokens."""
+    """How every stage that generates text generates it (GRPO's rollouts through TRL, DPO's sampling, the
+    difficulty filter, validation during training and evaluation): one code path, `vlmexp.generation`. A
+    compiled decoder runs each token step as one graph (a static key/value cache holds fixed-size tensors); it
+    is compiled once per batch size and prompt-length bucket, so prompts are left-padded up to a multiple of
+    `prompt_bucket` tokens."""
 
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="Compile the decoding step with torch.compile. auto: on where CUDA is, off on CPU (on "
-        "2 CPU cores the tiny model's compiled generation was slower, bench/RESULTS.md); on: also on CPU (needs a "
-        "C++ compiler); off: eager, as transformers generates by default.")
+        "auto", description="Compile the decoding step with torch.compile. auto: on where CUDA is, off on "
+        "CPU (on 2 CPU cores the tiny model's compiled generation was slower, bench/RESULTS.md); on: also on "
+        "CPU (needs a C++ compiler); off: eager, as transformers generates by default.")
     cache: Literal["auto", "static", "dynamic"] = Field(
-        "auto", description="The key/value cache: static (preallocated, what compilation needs) or dynamic (grows "
-        "per token). auto: static when compiled, dynamic otherwise (static without compile is slower). The static "
-        "cache holds keys and values in the precision the model runs in (bf16 under bf16 autocast).")
+        "auto", description="The key/value cache: static (preallocated, what compilation needs) or dynamic "
+        "(grows per token). auto: static when compiled, dynamic otherwise (static without compile is "
+        "slower). The static cache holds keys and values in the precision the model runs in (bf16 under bf16 "
+        "autocast).")
     prompt_bucket: PositiveInt | None = Field(
-        None, description="Left-pad each generation batch's prompts to a multiple of this many tokens, so a compiled "
-        "decoder compiles once per bucket rather than per prompt length (padding never changes a completion: it is "
-        "masked). Default: 64 when compiled, 1 (no padding beyond the batch's longest prompt) otherwise.")
+        None, description="Left-pad each generation batch's prompts to a multiple of this many tokens, so a "
+        "compiled decoder compiles once per bucket rather than per prompt length (padding never changes a "
+        "completion: it is masked). Default: 64 when compiled, 1 (no padding beyond the batch's longest "
+        "prompt) otherwise.")
 
     @field_validator("compile", mode="before")
     @classmethod
     def _yaml_switch(cls, v: Any) -> Any:
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML 1.1 reads on/off as booleans
+        # YAML 1.1 reads on/off as booleans
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _compile_needs_static(self) -> GenerationConfig:
         if self.compile == "on" and self.cache == "dynamic":
-            raise ValueError("compile: on needs a static cache (a dynamic cache changes shape every token, so "
-                             "transformers does not compile with it); set cache: static or auto, or compile: off")
+            raise ValueError("compile: on needs a static cache (a dynamic cache changes shape every token, "
+                             "so transformers does not compile with it); set cache: static or auto, or "
+                             "compile: off")
         return self

@@ -75,12 +75,14 @@ class ImageStore:
 
     def _resolve_path(self, value: str, image_root: str | None) -> Checked:
         if image_root is None and not Path(value).expanduser().is_absolute():
-            return f"relative image path {describe(value)} in a source with no image folder; set the source's image_root"
+            return (f"relative image path {describe(value)} in a source with no image folder; set the "
+                    "source's image_root")
         joined = Path(image_root or "/") / Path(value).expanduser()
         try:
             path = str(joined.resolve())
         except (RuntimeError, OSError) as e:  # RuntimeError: a symlink loop (Python < 3.13), OSError: ELOOP
-            return f"image path {joined} cannot be resolved ({e}); a symlink points back to itself: fix the link"
+            return (f"image path {joined} cannot be resolved ({e}); a symlink points back to itself: fix the "
+                    "link")
         if path not in self._seen:
             self._seen[path] = self._check_file(path)
         return self._seen[path]
@@ -91,7 +93,8 @@ class ImageStore:
             kind = _file_kind(p)
             if kind is None:
                 return f"image not found: {path}; fix the path or the source's image_root"
-            return f"image path {path} is a {kind}, not a file (not opened); point the record at an image file"
+            return (f"image path {path} is a {kind}, not a file (not opened); point the record at an image "
+                    "file")
         try:
             with p.open("rb") as f:
                 head = f.read()
@@ -135,7 +138,8 @@ def _bytes_of(value: Any) -> tuple[bytes, str | None]:
 
 
 def _file_kind(path: Path) -> str | None:
-    """What stands at `path` when it is not a regular file: a folder, a named pipe, ...; None when nothing does."""
+    """What stands at `path` when it is not a regular file: a folder, a named pipe, ...; None when nothing
+    does."""
     import stat
 
     try:
@@ -160,8 +164,8 @@ def check_image_bytes(data: bytes, label: str) -> tuple[str, tuple[int, int]] | 
                     return _too_large(label, w, h)
                 im.verify()  # PNG: every chunk's CRC up to IEND, so truncation is caught
     except Image.DecompressionBombError as e:
-        return (f"image {label} is too large to decode safely, a decompression bomb or a broken header ({e}); "
-                f"shrink the image or drop the record")
+        return (f"image {label} is too large to decode safely, a decompression bomb or a broken header "
+                f"({e}); shrink the image or drop the record")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
         return f"unreadable image {label} ({e.__class__.__name__}: {str(e)[:200]}); replace or remove it"
     if fmt == "JPEG" and b"\xff\xd9" not in data[-64:]:

@@ -108,15 +108,17 @@ class JsonListTable:
         try:
             data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise DataError(Problem(f"{path}", "", f"not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
-                                                   f"save the file as UTF-8")) from None
+            raise DataError(Problem(f"{path}", "", f"not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                                                   f"{e.start}); save the file as UTF-8")) from None
         except json.JSONDecodeError as e:
-            raise DataError(Problem(f"{path}:{e.lineno}", "", f"malformed JSON ({e.msg}); fix the file")) from None
+            raise DataError(Problem(f"{path}:{e.lineno}", "",
+                                    f"malformed JSON ({e.msg}); fix the file")) from None
         except RecursionError:
             raise DataError(Problem(str(path), "", "JSON nested too deeply; fix the file")) from None
         if not isinstance(data, list):
             raise DataError(Problem(str(path), "", f"a .json source must hold a list of records, got "
-                                                   f"{type(data).__name__}; use .jsonl for one record a line"))
+                                                   f"{type(data).__name__}; use .jsonl for one record a "
+                                                   f"line"))
         self._data = data
 
     def __len__(self) -> int:

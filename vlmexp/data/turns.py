@@ -49,7 +49,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class Conversation:
-    """What a stage takes from a conversation: the last user turn, what came before it, the answer after it."""
+    """What a stage takes from a conversation: the last user turn, what came before it, the answer after
+    it."""
 
     problem: str
     system: str | None
@@ -91,7 +92,8 @@ def answer_text(value: Any, what: str, tags: Tags = Tags()) -> str:
     else:
         turns = read_turns(value if isinstance(value, list) else [value], what, tags)
         if turns[-1].role != "assistant" or turns[-1].images:
-            raise ValueError(f"field {what!r} must end in an assistant message of text, got a {turns[-1].role} one")
+            raise ValueError(f"field {what!r} must end in an assistant message of text, got a "
+                             f"{turns[-1].role} one")
         text = turns[-1].text
     if not text.strip():
         raise ValueError(f"field {what!r} is an empty answer; give each record a non-empty answer")
@@ -106,9 +108,9 @@ def conversation(turns: list[Turn], what: str) -> Conversation:
     for i, turn in enumerate(rest):
         expected = "user" if i % 2 == 0 else "assistant"
         if turn.role != expected:
-            raise ValueError(f"{what}: turn {i + (system is not None)} is {turn.role!r} where {expected!r} belongs "
-                             f"(a system message may come first, then user and assistant turns alternate, starting "
-                             f"with user); fix the record's turns")
+            raise ValueError(f"{what}: turn {i + (system is not None)} is {turn.role!r} where {expected!r} "
+                             f"belongs (a system message may come first, then user and assistant turns "
+                             f"alternate, starting with user); fix the record's turns")
     if not rest:
         raise ValueError(f"{what} holds no user turn; give the record a question")
     answer = rest[-1].text if rest[-1].role == "assistant" else None

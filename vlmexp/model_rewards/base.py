@@ -1,18 +1,19 @@
-"""What the model rewards share: one batched call per generation batch, its cost and its unreadable answers counted.
+"""What the model rewards share: one batched call per generation batch, its cost and its unreadable answers
+counted.
 
 A model reward receives the batch as every reward does (TRL's signature, `vlmexp.rewards.Reward`) and hands
-`score_samples` the samples it applies to, at once, so the model or endpoint sees them batched. Each call reports
-through TRL's hooks, beside TRL's own `rewards/<name>/mean`:
+`score_samples` the samples it applies to, at once, so the model or endpoint sees them batched. Each call
+reports through TRL's hooks, beside TRL's own `rewards/<name>/mean`:
 
 - `rewards/<name>/seconds` and `rewards/<name>/calls`: the wall time spent and the model calls made (forward
   batches or requests) for this generation batch;
 - `rewards/<name>/unparsable/<reason>` for every reason the reward knows (zeros included), and a
   `<name>/unparsable` column for the completion table.
 
-An answer the model gives that cannot be read is masked (None: TRL's nansum gives the sample no credit from this
-reward) and counted, never scored 0: the policy is not punished for the judge's failure. Errors that concern the
-whole batch (an endpoint that is down, too many unreadable answers) raise `ModelRewardError`, which the guarded
-wrapper passes on as it is instead of retrying sample by sample.
+An answer the model gives that cannot be read is masked (None: TRL's nansum gives the sample no credit from
+this reward) and counted, never scored 0: the policy is not punished for the judge's failure. Errors that
+concern the whole batch (an endpoint that is down, too many unreadable answers) raise `ModelRewardError`,
+which the guarded wrapper passes on as it is instead of retrying sample by sample.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from vlmexp.rewards import Reward, RewardError, Unparsable, completion_text, rep
 
 
 class ModelRewardError(RewardError):
-    """A model reward cannot score the batch: training stops with this message (the guarded wrapper keeps it)."""
+    """A model reward cannot score the batch: training stops with this message (the guarded wrapper keeps
+    it)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ def message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+        return "".join(p.get("text") or "" for p in content
+                       if isinstance(p, dict) and p.get("type", "text") == "text")
     return "" if content is None else str(content)
 
 
@@ -79,7 +82,8 @@ class ModelReward(Reward):
     def applies(self, sample: Sample) -> bool:
         return True
 
-    def score_samples(self, samples: list[Sample], prompts: list[Any]) -> tuple[list[float | Unparsable], int]:
+    def score_samples(self, samples: list[Sample],
+                      prompts: list[Any]) -> tuple[list[float | Unparsable], int]:
         """(a score or Unparsable per sample, the model calls made)."""
         raise NotImplementedError
 
@@ -91,11 +95,13 @@ class ModelReward(Reward):
         empty = [None] * n
         samples = [Sample(question_of(prompts[i]) if prompts else "", completion_text(completions[i]),
                           "" if (column.get("solution") or empty)[i] is None else str(column["solution"][i]),
-                          (column.get("image_path") or empty)[i] or "", (column.get("accu_reward_method") or empty)[i])
+                          (column.get("image_path") or empty)[i] or "",
+                          (column.get("accu_reward_method") or empty)[i])
                    for i in range(n)]
         chosen = [i for i, s in enumerate(samples) if self.applies(s)]
         start = time.perf_counter()
-        values, calls = self.score_samples([samples[i] for i in chosen], [prompts[i] if prompts else "" for i in chosen])
+        values, calls = self.score_samples([samples[i] for i in chosen],
+                                           [prompts[i] if prompts else "" for i in chosen])
         seconds = time.perf_counter() - start
         out: list[float | None] = [None] * n
         why: list[str | None] = [None] * n
@@ -107,7 +113,8 @@ class ModelReward(Reward):
         if log_metric is not None:
             log_metric(f"rewards/{self.name}/seconds", seconds)
             log_metric(f"rewards/{self.name}/calls", float(calls))
-        report_counts(log_metric, f"rewards/{self.name}/unparsable", Counter(r for r in why if r), self.reasons)
+        report_counts(log_metric, f"rewards/{self.name}/unparsable", Counter(r for r in why if r),
+                      self.reasons)
         if log_extra is not None and self.reasons:
             log_extra(f"{self.name}/unparsable", why)
         self.check_batch([v for v in values if isinstance(v, Unparsable)], len(chosen))

@@ -26,7 +26,8 @@ def check_pipeline_parameters(config: object, overrides: object) -> None:
     problems = []
     if not isinstance(config, str) or not config.strip():
         problems.append(Problem("flow parameter", "config", "give the path of a config YAML", config))
-    if overrides is not None and (not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides)):
+    if overrides is not None and (not isinstance(overrides, list)
+                                  or not all(isinstance(o, str) for o in overrides)):
         problems.append(Problem("flow parameter", "overrides", "give a list of strings like "
                                 "'grpo.args.learning_rate=1e-6' (or leave it out)", overrides))
     if problems:
@@ -34,7 +35,8 @@ def check_pipeline_parameters(config: object, overrides: object) -> None:
 
 
 def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
-    """Load and validate (all problems at once); write the resolved config as <output_dir>/.config.pending.yaml.
+    """Load and validate (all problems at once); write the resolved config as
+    <output_dir>/.config.pending.yaml.
 
     It becomes config.resolved.yaml (`commit_resolved`) only once the data sampled cleanly, so a run that
     fails on its input leaves an existing run's config.resolved.yaml as it was.
@@ -64,15 +66,18 @@ def _digest(*parts: object) -> str:
 
 
 def stage_key(cfg: Config, stage: str, data_hash: str, upstream: str = "") -> str:
-    """What a stage's result depends on: the output folder (relative to the working directory), the model, the data settings and the sampled
-    data, the seed, the stage's own section (sft, grpo, eval or export), the DeepSpeed config, and the
-    upstream stage's key; for a training stage with validation during training, the eval section and the
-    metric that picks the best checkpoint. Tracking, retries and the launcher's process layout do not count."""
+    """What a stage's result depends on: the output folder (relative to the working directory), the model,
+    the data settings and the sampled data, the seed, the stage's own section (sft, grpo, eval or export), the
+    DeepSpeed config, and the upstream stage's key; for a training stage with validation during training, the
+    eval section and the metric that picks the best checkpoint. Tracking, retries and the launcher's process
+    layout do not count."""
     section = getattr(cfg, stage).model_dump(mode="json")
     parts = [stage, portable_path(cfg.run.output_dir), cfg.model.model_dump(mode="json"),
-             cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash, upstream]
-    if stage in TRAINING_STAGES and cfg.eval.every_steps:  # validation during training: its metrics, which
-        parts.append([cfg.eval.model_dump(mode="json"), cfg.export.metric, cfg.export.direction])  # checkpoint is best
+             cfg.data.model_dump(mode="json"), cfg.run.seed, section, cfg.launch.deepspeed, data_hash,
+             upstream]
+    # validation during training: its metrics, which checkpoint is best
+    if stage in TRAINING_STAGES and cfg.eval.every_steps:
+        parts.append([cfg.eval.model_dump(mode="json"), cfg.export.metric, cfg.export.direction])
     return _digest(*parts)
 
 
@@ -107,7 +112,8 @@ def claim_stage_dir(stage_dir: Path, key: str, fresh: bool = False) -> Path:
 
         raise ConfigError(Problem("run.output_dir", stage_dir.name, refused, str(stage_dir.parent)))
     if stage_dir.exists() and (fresh or previous != key) and any(stage_dir.iterdir()):
-        archive = stage_dir.parent / "archive" / f"{stage_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{(previous or 'unknown')[:8]}"
+        archive = stage_dir.parent / "archive" / (f"{stage_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                                  f"{(previous or 'unknown')[:8]}")
         archive.parent.mkdir(parents=True, exist_ok=True)
         stage_dir.rename(archive)
     stage_dir.mkdir(parents=True, exist_ok=True)

@@ -50,11 +50,12 @@ def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun | No
 
 
 def start_system_metrics(cfg: Config) -> bool:
-    """Whether the stage's run samples system metrics (`tracking.system_metrics`), with MLflow's own monitor: a
-    thread that every `tracking.system_metrics_seconds` logs `system/cpu_utilization_percentage`,
-    `system/system_memory_usage_megabytes`, disk and network use and, through nvidia-ml-py, `system/gpu_<i>_...`
-    (utilization, memory, power) until the run ends; a resumed run continues its steps. A CUDA GPU without
-    nvidia-ml-py is refused here, before any step: MLflow would leave the GPU out with only an info line."""
+    """Whether the stage's run samples system metrics (`tracking.system_metrics`), with MLflow's own monitor:
+    a thread that every `tracking.system_metrics_seconds` logs `system/cpu_utilization_percentage`,
+    `system/system_memory_usage_megabytes`, disk and network use and, through nvidia-ml-py,
+    `system/gpu_<i>_...` (utilization, memory, power) until the run ends; a resumed run continues its steps. A
+    CUDA GPU without nvidia-ml-py is refused here, before any step: MLflow would leave the GPU out with only
+    an info line."""
     if not cfg.tracking.system_metrics:
         return False
     import importlib.util
@@ -65,16 +66,17 @@ def start_system_metrics(cfg: Config) -> bool:
 
     if torch.cuda.is_available() and torch.version.cuda and importlib.util.find_spec("pynvml") is None:
         raise ConfigError(Problem("tracking.system_metrics", "", "a CUDA GPU is here but nvidia-ml-py is not "
-                                  "installed, so MLflow would record no GPU use: pip install nvidia-ml-py (in the "
-                                  "gpu extra), or set tracking.system_metrics: false", True))
+                                  "installed, so MLflow would record no GPU use: pip install nvidia-ml-py "
+                                  "(in the gpu extra), or set tracking.system_metrics: false", True))
     if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:  # the variable, MLflow's own setting, wins
         mlflow.set_system_metrics_sampling_interval(cfg.tracking.system_metrics_seconds)
     return True
 
 
 def close_stage_run(run: StageRun | None, status: str) -> None:
-    """End the stage's MLflow run as FINISHED, FAILED or KILLED (stopped). A store that went away mid-run must not
-    cost the finished model: the failure is logged and the model is saved (the pipeline closes the run itself)."""
+    """End the stage's MLflow run as FINISHED, FAILED or KILLED (stopped). A store that went away mid-run must
+    not cost the finished model: the failure is logged and the model is saved (the pipeline closes the run
+    itself)."""
     if run is None:
         return
     import mlflow

@@ -5,8 +5,8 @@ parts and computes the loss on the completion only. When a record holds earlier 
 conversation), every row is conversational language modeling instead, `messages` (the prompt's turns and the
 answer) plus `images`, and SFT trains with TRL's `assistant_only_loss`: the loss falls on every assistant turn
 and on nothing else (`require_assistant_masks`). GRPO rows: conversational `prompt` plus `images`;
-the record's `reward_columns` (the source's other fields, then solution, task, accu_reward_method, image_sizes,
-source_row, image_path) reach the reward functions as keyword columns.
+the record's `reward_columns` (the source's other fields, then solution, task, accu_reward_method,
+image_sizes, source_row, image_path) reach the reward functions as keyword columns.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
 
     records = read_sampled(path)
     multi_turn = stage == "sft" and any(r.history for r in records)
-    names = source_column_names(records)  # every row gets every column: Dataset.from_list takes the first row's keys
+    # every row gets every column: Dataset.from_list takes the first row's keys
+    names = source_column_names(records)
     rows = []
     for record in records:
-        row: dict[str, Any] = {"prompt": build_prompt(record, data, family), "images": load_images(record.images)}
+        row: dict[str, Any] = {"prompt": build_prompt(record, data, family),
+                               "images": load_images(record.images)}
         if stage == "sft":
             answer = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
             if multi_turn:
@@ -47,8 +49,8 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
 
 
 def check_column_types(path: str | Path, rows: list[dict[str, Any]], names: list[str]) -> None:
-    """Refuse, naming the column, a source column whose values Arrow (TRL's datasets) cannot hold as one type, as
-    when one source writes `difficulty: 2` and another `difficulty: "hard"`."""
+    """Refuse, naming the column, a source column whose values Arrow (TRL's datasets) cannot hold as one type,
+    as when one source writes `difficulty: 2` and another `difficulty: "hard"`."""
     import pyarrow as pa
 
     from vlmexp.errors import DataError, Problem
@@ -58,18 +60,18 @@ def check_column_types(path: str | Path, rows: list[dict[str, Any]], names: list
             pa.array([row[name] for row in rows])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             types = sorted({type(row[name]).__name__ for row in rows if row[name] is not None})
-            raise DataError(Problem(str(path), name, f"the source column {name!r} holds values of different types "
-                                    f"across records ({', '.join(types)}: {e}); GRPO's dataset (Arrow, as TRL's) "
-                                    f"needs one type per column: write it alike in every source, or give one "
-                                    f"source's column another name with `columns:`"),
+            raise DataError(Problem(str(path), name, f"the source column {name!r} holds values of different "
+                                    f"types across records ({', '.join(types)}: {e}); GRPO's dataset (Arrow, "
+                                    "as TRL's) needs one type per column: write it alike in every source, or "
+                                    "give one source's column another name with `columns:`"),
                             title="a reward column TRL's dataset cannot hold") from None
 
 
 def require_assistant_masks(args, processor) -> None:
-    """Train on every assistant turn of `messages` rows: set `args.assistant_only_loss`, which TRL 1.16 gives a
-    VLM through the chat template's `{% generation %}` markers, swapping in its own marked copy of a template it
-    knows (Qwen2.5-VL's, Qwen3-VL's: trl/chat_templates/README.md, `get_training_chat_template`). A template it
-    cannot mark is refused before any step (ConfigError with the fix)."""
+    """Train on every assistant turn of `messages` rows: set `args.assistant_only_loss`, which TRL 1.16 gives
+    a VLM through the chat template's `{% generation %}` markers, swapping in its own marked copy of a
+    template it knows (Qwen2.5-VL's, Qwen3-VL's: trl/chat_templates/README.md, `get_training_chat_template`).
+    A template it cannot mark is refused before any step (ConfigError with the fix)."""
     from trl.chat_template_utils import get_training_chat_template
 
     from vlmexp.errors import ConfigError, Problem
@@ -77,11 +79,11 @@ def require_assistant_masks(args, processor) -> None:
     try:
         get_training_chat_template(processor)
     except ValueError as e:
-        raise ConfigError(Problem("model", "chat_template", f"multi-turn records train SFT on every assistant turn "
-                                  f"through TRL's assistant_only_loss, which needs a chat template with "
-                                  f"{{% generation %}} markers or one TRL can mark (the released Qwen2.5-VL and "
-                                  f"Qwen3-VL templates); this model's cannot be ({e}); add the markers to its "
-                                  f"chat template, or sample single-turn records")) from None
+        raise ConfigError(Problem("model", "chat_template", "multi-turn records train SFT on every assistant "
+                                  "turn through TRL's assistant_only_loss, which needs a chat template with "
+                                  "{% generation %} markers or one TRL can mark (the released Qwen2.5-VL and "
+                                  f"Qwen3-VL templates); this model's cannot be ({e}); add the markers to "
+                                  "its chat template, or sample single-turn records")) from None
     args.assistant_only_loss = True
 
 
@@ -106,10 +108,10 @@ def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, b
         total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
         if total > max_length:
             problems.append(Problem(
-                f"{path}:{n}", field, f"record from {record.where} needs about "
-                f"{total} tokens ({image_tokens} for its image(s) of {record.image_sizes} at {limit} "
-                f"{getattr(budget, limit)}), over {field} = {max_length}: truncation would cut the image tokens or "
-                f"the answer; raise {field} or lower model.{limit}"))
+                f"{path}:{n}", field, f"record from {record.where} needs about {total} tokens "
+                f"({image_tokens} for its image(s) of {record.image_sizes} at {limit} "
+                f"{getattr(budget, limit)}), over {field} = {max_length}: truncation would cut the image "
+                f"tokens or the answer; raise {field} or lower model.{limit}"))
             if len(problems) >= 20:
                 break
     if problems:

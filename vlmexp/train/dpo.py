@@ -7,8 +7,8 @@ pipeline measures), best vs worst kept when their rewards differ by at least `mi
 are written once to <stage_dir>/pairs.jsonl (a resumed stage reuses them) with a summary in pairs.json.
 
 Reference model: with `dpo.peft` TRL disables the adapter to get it (no copy); in full fine-tuning TRL loads
-one frozen copy from the start model's folder (`model.config._name_or_path`, set by `modeling.load_for_training`), since
-TRL 1.16 refuses `precompute_ref_log_probs` for image data.
+one frozen copy from the start model's folder (`model.config._name_or_path`, set by
+`modeling.load_for_training`), since TRL 1.16 refuses `precompute_ref_log_probs` for image data.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def run_dpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any]
     train_dataset = build_pair_dataset(pairs)
     model, peft_config = load_model(inputs)
     trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=train_dataset,
-                         processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
+                         processing_class=inputs.processor, peft_config=peft_config,
+                         callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))
 
 
@@ -56,13 +57,14 @@ def load_pairs(inputs: StageInputs) -> list[dict[str, Any]]:
         from vlmexp.errors import ConfigError, Problem
 
         raise ConfigError(Problem("dpo.pairs", "min_margin", "no prompt gave a pair whose rewards differ by "
-                                  "min_margin; lower dpo.pairs.min_margin, raise num_samples or temperature, or "
-                                  "train SFT first", inputs.cfg.dpo.pairs.min_margin))
+                                  "min_margin; lower dpo.pairs.min_margin, raise num_samples or temperature, "
+                                  "or train SFT first", inputs.cfg.dpo.pairs.min_margin))
     return pairs
 
 
 def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
-    """The sampled records as pairs; every one must carry a rejected answer (checked before any model loads)."""
+    """The sampled records as pairs; every one must carry a rejected answer (checked before any model
+    loads)."""
     from vlmexp.data.record import read_sampled
     from vlmexp.errors import DataError, Problem
     from vlmexp.prompts import build_prompt
@@ -70,12 +72,13 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
     out, problems = [], []
     for record in read_sampled(inputs.train_path):
         if record.rejected is None or record.target is None:
-            problems.append(Problem(record.where, "chosen", f"dpo.pairs.from: data needs records with chosen and "
-                                    f"rejected answers, this one ({record.record_format!r}) has no rejected answer; "
-                                    "use pair data or dpo.pairs.from: samples", record.problem))
+            problems.append(Problem(record.where, "chosen", "dpo.pairs.from: data needs records with chosen "
+                                    f"and rejected answers, this one ({record.record_format!r}) has no "
+                                    "rejected answer; use pair data or dpo.pairs.from: samples",
+                                    record.problem))
             continue
-        out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family), "image_paths": record.images,
-                    "chosen": record.target, "rejected": record.rejected})
+        out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family),
+                    "image_paths": record.images, "chosen": record.target, "rejected": record.rejected})
     if problems:
         raise DataError(problems[:20], title=f"{len(problems)} records without a preference pair")
     return out
@@ -90,9 +93,10 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
     records = read_sampled(inputs.train_path)
     k = opts.num_samples
-    prompts, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
-                                                 [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards], k,
-                                                 opts.temperature, opts.max_new_tokens, opts.batch_size)
+    prompts, groups, compiled = sample_and_score(
+        cfg, inputs.model_path, inputs.family, inputs.budget, records,
+        [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards], k,
+        opts.temperature, opts.max_new_tokens, opts.batch_size)
     log_compile_count(compiled, inputs.run)
     pairs = []
     for i, record in enumerate(records):
@@ -101,8 +105,9 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
         if pair is not None:
             pairs.append({"prompt": prompts[i], "image_paths": record.images, **pair,
                           "source": record.source, "source_row": record.source_row})
-    summary = {"prompts": len(records), "pairs": len(pairs), "prompts_without_pair": len(records) - len(pairs),
-               "num_samples": k, "min_margin": opts.min_margin}
+    summary = {"prompts": len(records), "pairs": len(pairs),
+               "prompts_without_pair": len(records) - len(pairs), "num_samples": k,
+               "min_margin": opts.min_margin}
     atomic_write(path, "".join(json.dumps(p) + "\n" for p in pairs))
     atomic_write(path.with_name(SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
     log.info("dpo pairs from samples: %s", summary)

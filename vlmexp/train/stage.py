@@ -77,7 +77,8 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
         data = prepare_data(cfg, reuse=True)
     if Path(model_path).is_dir():  # absolute, so adapters saved from it name a base that loads from anywhere
         model_path = str(Path(model_path).resolve())
-    processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
+    processor = load_processor(model_path, family, cfg.model.image_knobs,
+                               trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
@@ -86,15 +87,18 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
 
 
 def trl_args(inputs: StageInputs, **stage_args: Any):
-    """The stage's TRL config: the user's args plus what the pipeline owns (output, seed, tracking, DeepSpeed)."""
+    """The stage's TRL config: the user's args plus what the pipeline owns (output, seed, tracking,
+    DeepSpeed)."""
     import warnings
 
     from vlmexp.config.trl_args import build_trl_config
 
     # TRL 1.16 switches activation checkpointing off and on (around each GRPO generation, DPO's reference
-    # pass) through the model methods transformers 5 renamed (trl.models.utils.disable_gradient_checkpointing):
-    # three FutureWarnings each time, from TRL's code, not ours; exactly those are silenced
-    warnings.filterwarnings("ignore", message=r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` "
+    # pass) through the model methods transformers 5 renamed
+    # (trl.models.utils.disable_gradient_checkpointing): three FutureWarnings each time, from TRL's code, not
+    # ours; exactly those are silenced
+    warnings.filterwarnings("ignore", message=r"`(is_gradient_checkpointing|"
+                                              r"gradient_checkpointing_(enable|disable))` "
                                               "is deprecated", category=FutureWarning)
 
     cfg = inputs.cfg
@@ -107,7 +111,8 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
 
 
 def load_model(inputs: StageInputs):
-    """(model, peft_config for the trainer or None): the stage's start model as its config says to train it."""
+    """(model, peft_config for the trainer or None): the stage's start model as its config says to train
+    it."""
     from vlmexp.modeling import load_for_training
 
     return load_for_training(inputs.cfg, inputs.stage_cfg, inputs.model_path, inputs.family, inputs.processor,
@@ -136,26 +141,31 @@ def last_checkpoint(stage_dir: Path) -> str | None:
 
 
 def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
-    """Train (resuming from the newest complete checkpoint) and save model (or adapter) + processor to final/."""
+    """Train (resuming from the newest complete checkpoint) and save model (or adapter) + processor to
+    final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
     run = inputs.run
-    if trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(inputs.stage_dir):
+    if (trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file()
+            and not made_by_vlmexp(inputs.stage_dir)):
         # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here, so a re-run after
         # a crash may resume in it; the config check refused a folder of the user's before any work
         inputs.stage_dir.mkdir(parents=True, exist_ok=True)
         mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     from vlmexp.train.validation import add_validation, write_summary
 
-    validation = add_validation(trainer, inputs)  # eval.every_steps; refuses what it cannot run before any step
+    # eval.every_steps; refuses what it cannot run before any step
+    validation = add_validation(trainer, inputs)
     if inputs.resume_from and run is not None:
         from vlmexp.tracking.stage_run import last_logged_step
         from vlmexp.train.callbacks import SkipLoggedSteps
 
         last = last_logged_step(run.uri, run.run_id)
-        log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last, run.run_id)
+        log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last,
+                 run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
     models = None
-    if run is not None:  # each checkpoint and final/ as a logged model of the run; the reward's headline chart
+    # each checkpoint and final/ as a logged model of the run; the reward's headline chart
+    if run is not None:
         from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics
 
         trainer.add_callback(models := CheckpointModels(run))
