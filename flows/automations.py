@@ -11,10 +11,10 @@
   run completed (#18653, #19598, #20887, #21932) cannot turn a Completed run into Crashed: Prefect refuses to
   crash a run in a terminal state; and it watches only vlmexp's flows (vlm-pipeline, vlm-stage), leaving the
   server's other flows as they were.
-- With `--notify TYPE/NAME` (a notification block on the server, e.g. `slack-webhook/ops`): a notification when
-  a pipeline run fails or crashes (`vlmexp.pipeline.failed` / `.crashed`, tasks/events.py), when the zombie
-  automation marked a run Crashed (its process is gone: nothing else is left to report it), and when a new
-  model takes the champion alias (`vlmexp.model.promoted`).
+- With `--notify TYPE/NAME` (a notification block on the server, e.g. `slack-webhook/ops`): a notification
+  when a pipeline run fails or crashes (`vlmexp.pipeline.failed` / `.crashed`, tasks/events.py), when the
+  zombie automation marked a run Crashed (its process is gone: nothing else is left to report it), and when a
+  new model takes the champion alias (`vlmexp.model.promoted`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from typing import Any
 from tasks.events import MODEL_PROMOTED, PIPELINE_CRASHED, PIPELINE_FAILED
 
 ZOMBIE, NOTIFY_FAILED = "vlmexp: crash zombie flow runs", "vlmexp: notify on failed or crashed pipeline runs"
-NOTIFY_LOST, NOTIFY_PROMOTED = "vlmexp: notify on flow runs lost with their worker", "vlmexp: notify on a new champion"
+NOTIFY_LOST, NOTIFY_PROMOTED = ("vlmexp: notify on flow runs lost with their worker",
+                                "vlmexp: notify on a new champion")
 ZOMBIE_MESSAGE = "Flow run marked as crashed due to missing heartbeats (vlmexp: crash zombie flow runs)."
 FLOWS = ["vlm-pipeline", "vlm-stage"]  # the flows whose runs the zombie automation watches
 
 
 def zombie_automation(heartbeat_seconds: int):
-    """Crash a run of vlmexp's flows that sent no event for three heartbeats and a minute after a heartbeat."""
+    """Crash a run of vlmexp's flows that sent no event for three heartbeats and a minute after a
+    heartbeat."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
@@ -43,7 +45,8 @@ def zombie_automation(heartbeat_seconds: int):
         for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
         within=timedelta(seconds=3 * heartbeat_seconds + 60))
     return AutomationCore(name=ZOMBIE, trigger=trigger, description=__doc__.split("\n\n")[1][:1000],
-                          actions=[ChangeFlowRunState(state=StateType.CRASHED, message=ZOMBIE_MESSAGE, force=False)])
+                          actions=[ChangeFlowRunState(state=StateType.CRASHED, message=ZOMBIE_MESSAGE,
+                                                      force=False)])
 
 
 def notify_automations(block_id) -> list:
@@ -52,21 +55,27 @@ def notify_automations(block_id) -> list:
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     def notify(name: str, subject: str, body: str, **trigger: Any):
-        return AutomationCore(name=name, trigger=EventTrigger(posture=Posture.Reactive, threshold=1, **trigger),
-                              actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)])
+        return AutomationCore(name=name,
+                              trigger=EventTrigger(posture=Posture.Reactive, threshold=1, **trigger),
+                              actions=[SendNotification(block_document_id=block_id, subject=subject,
+                                                        body=body)])
 
     return [
-        notify(NOTIFY_FAILED, "vlmexp: pipeline {{ event.resource['prefect.resource.name'] }} {{ event.payload.state }}",
+        notify(NOTIFY_FAILED,
+               "vlmexp: pipeline {{ event.resource['prefect.resource.name'] }} {{ event.payload.state }}",
                "{{ event.event }}: config {{ event.payload.config }} {{ event.payload.overrides }}, flow run "
                "{{ event.payload.flow_run_name }}:\n{{ event.payload.message }}",
-               expect={PIPELINE_FAILED, PIPELINE_CRASHED}, match={"prefect.resource.id": "vlmexp.pipeline.*"}),
+               expect={PIPELINE_FAILED, PIPELINE_CRASHED},
+               match={"prefect.resource.id": "vlmexp.pipeline.*"}),
         notify(NOTIFY_LOST, "vlmexp: flow run {{ event.resource['prefect.resource.name'] }} lost",
-               "Flow run {{ event.resource['prefect.resource.name'] }} sent no heartbeat and was marked Crashed: its "
-               "worker or node is gone. A stage run is retried by its pipeline; a pipeline run needs starting again.",
+               "Flow run {{ event.resource['prefect.resource.name'] }} sent no heartbeat and was marked "
+               "Crashed: its worker or node is gone. A stage run is retried by its pipeline; a pipeline run "
+               "needs starting again.",
                expect={"prefect.flow-run.Crashed"},
                match={"prefect.resource.id": "prefect.flow-run.*", "prefect.state-message": ZOMBIE_MESSAGE},
                match_related={"prefect.resource.role": "flow", "prefect.resource.name": FLOWS}),
-        notify(NOTIFY_PROMOTED, "vlmexp: {{ event.payload.name }} version {{ event.payload.version }} is the champion",
+        notify(NOTIFY_PROMOTED,
+               "vlmexp: {{ event.payload.name }} version {{ event.payload.version }} is the champion",
                "{{ event.payload.name }} version {{ event.payload.version }} took the champion alias on "
                "{{ event.payload.metric }} = {{ event.payload.value }}: {{ event.payload.reason }}",
                expect={MODEL_PROMOTED}, match={"prefect.resource.id": "vlmexp.model.*"}),
@@ -79,12 +88,13 @@ def set_up(notify: str | None = None, heartbeat_seconds: int | None = None) -> d
     from prefect.settings import PREFECT_API_URL, get_current_settings
 
     if not PREFECT_API_URL.value():
-        raise ValueError("PREFECT_API_URL is not set: automations belong on the server your workers use, e.g. "
-                         "export PREFECT_API_URL=http://127.0.0.1:4200/api (a temporary server forgets them)")
+        raise ValueError("PREFECT_API_URL is not set: automations belong on the server your workers use, "
+                         "e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api (a temporary server forgets "
+                         "them)")
     seconds = heartbeat_seconds or get_current_settings().flows.heartbeat_frequency or 180
     if seconds < 30:
-        raise ValueError(f"--heartbeat-seconds {seconds}: Prefect sends flow-run heartbeats at most every 30 s "
-                         "(PREFECT_FLOWS_HEARTBEAT_FREQUENCY >= 30); give the workers' value")
+        raise ValueError(f"--heartbeat-seconds {seconds}: Prefect sends flow-run heartbeats at most every "
+                         "30 s (PREFECT_FLOWS_HEARTBEAT_FREQUENCY >= 30); give the workers' value")
     done = {}
     with get_client(sync_client=True) as client:
         automations = [zombie_automation(seconds)] + (notify_automations(notification_block(client, notify))
@@ -109,8 +119,8 @@ def notification_block(client, name: str):
     try:
         document = client.read_block_document_by_name(name=block, block_type_slug=slug)
     except ObjectNotFound:
-        raise ValueError(f"--notify {name!r}: no such block on the server; create it first (UI: Blocks, or in "
-                         f"Python, e.g. SlackWebhook(url=...).save({block!r}))") from None
+        raise ValueError(f"--notify {name!r}: no such block on the server; create it first (UI: Blocks, or "
+                         f"in Python, e.g. SlackWebhook(url=...).save({block!r}))") from None
     if "notify" not in (document.block_schema.capabilities if document.block_schema else []):
         raise ValueError(f"--notify {name!r}: a {slug} block cannot send notifications; use a notification "
                          "block (slack-webhook, custom-webhook, ms-teams-webhook, ...)")

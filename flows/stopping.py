@@ -12,8 +12,8 @@ log = logging.getLogger("vlmexp.pipeline")
 
 
 def cancel_child_runs(flow_run_id: str) -> list[str]:
-    """Ask every unfinished flow run started under `flow_run_id` (the stage deployments' runs) to cancel: their
-    workers then stop the stage's processes. Returns the ids asked."""
+    """Ask every unfinished flow run started under `flow_run_id` (the stage deployments' runs) to cancel:
+    their workers then stop the stage's processes. Returns the ids asked."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.states import Cancelling
@@ -44,8 +44,8 @@ def on_stopped(flow, flow_run, state) -> None:
 
 
 def mark_killed(resolved: str | None, run_ids: list[str]) -> None:
-    """End the pipeline's MLflow runs (parent, and any stage run still open) as KILLED: the run was stopped, it
-    did not fail."""
+    """End the pipeline's MLflow runs (parent, and any stage run still open) as KILLED: the run was stopped,
+    it did not fail."""
     if not resolved:
         return
     from vlmexp.pipeline.keys import load_resolved

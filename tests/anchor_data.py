@@ -4,13 +4,15 @@ embedded images through `datasets`, JSON / JSONL with image paths), for the form
 - TRL language modeling: HuggingFaceH4/llava-instruct-mix-vsft (`messages` whose content is a list of typed
   parts with `index`, `text`, `type`; `images` a list of Image), multi-turn.
 - TRL prompt-completion: trl-lib/llava-instruct-mix (`images`, `prompt`, `completion`, string content).
-- TRL preference: trl-lib/rlaif-v (`prompt`, `chosen`, `rejected` as lists of messages of typed parts; `images`).
+- TRL preference: trl-lib/rlaif-v (`prompt`, `chosen`, `rejected` as lists of messages of typed parts;
+  `images`).
 - TRL prompt-only: the GRPO VLM example's layout (trl examples/scripts/grpo_vlm.py: `image`, a `prompt` of
   system + user messages, `solution`).
 - LLaMA-Factory: data/mllm_demo.json (OpenAI-style `messages`, `<image>` tags, `images` paths, multi-turn), a
   sharegpt preference file (`conversations` from/value, `chosen` / `rejected` messages) and an alpaca file
   with images and history, with their dataset_info.json entries as data/dataset_info.json writes them.
-- ms-swift: `messages` with `<image>` tags, `images`, `rejected_response` (docs: Customization/Custom-dataset.md).
+- ms-swift: `messages` with `<image>` tags, `images`, `rejected_response` (docs:
+  Customization/Custom-dataset.md).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _image(color: str) -> dict:
 def _parts(text: str, image: bool = False, index: bool = False) -> list[dict]:
     parts = [{"type": "image"}] if image else []
     parts.append({"type": "text", "text": text})
-    if index:  # HuggingFaceH4/llava-instruct-mix-vsft: every part has index (images) and text (texts), else None
+    # HuggingFaceH4/llava-instruct-mix-vsft: every part has index (images) and text (texts), else None
+    if index:
         parts = [{"index": 0 if p["type"] == "image" else None, "text": p.get("text"), "type": p["type"]}
                  for p in parts]
     return parts
@@ -93,7 +96,8 @@ def trl_preference(folder: Path, n: int = 4) -> Path:
     features = Features({"chosen": List(message), "rejected": List(message), "images": List(Image()),
                          "prompt": List(message)})
     rows = {"prompt": [[{"role": "user", "content": [{"text": None, "type": "image"},
-                                                     *_text(f"Which colour is shape {i}?")]}] for i in range(n)],
+                                                     *_text(f"Which colour is shape {i}?")]}]
+                       for i in range(n)],
             "chosen": [[{"role": "assistant", "content": _text(COLORS[i % 4])}] for i in range(n)],
             "rejected": [[{"role": "assistant", "content": _text(COLORS[(i + 1) % 4])}] for i in range(n)],
             "images": [[_image(COLORS[i % 4])] for i in range(n)]}
@@ -135,15 +139,16 @@ def llamafactory_folder(folder: Path, n: int = 4) -> Path:
                           "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                                    "assistant_tag": "assistant"}},
             "rlhf_v_demo": {"file_name": "rlhf_v_demo.json", "ranking": True, "formatting": "sharegpt",
-                            "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
-                                        "images": "images"}},
+                            "columns": {"messages": "conversations", "chosen": "chosen",
+                                        "rejected": "rejected", "images": "images"}},
             "alpaca_mm_demo": {"file_name": "alpaca_mm_demo.json",
                                "columns": {"prompt": "instruction", "query": "input", "response": "output",
                                            "history": "history", "images": "images"}},
             "mllm_video_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
                                 "columns": {"messages": "messages", "videos": "videos"}}}
     alpaca = [{"instruction": "<image>Name the colour.", "input": "One word.", "output": COLORS[i % 4],
-               "history": [["Hello.", "Hello! Show me an image."]], "images": [f"mllm_demo_data/{COLORS[i % 4]}.png"]}
+               "history": [["Hello.", "Hello! Show me an image."]],
+               "images": [f"mllm_demo_data/{COLORS[i % 4]}.png"]}
               for i in range(n)]
     (root / "alpaca_mm_demo.json").write_text(json.dumps(alpaca, indent=2))
     (root / "dataset_info.json").write_text(json.dumps(info, indent=2))

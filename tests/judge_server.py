@@ -20,7 +20,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PROMPT = re.compile(r"Reference answer: (?P<reference>.*)\nAnswer to grade: (?P<answer>.*)\nHow well", re.DOTALL)
+PROMPT = re.compile(r"Reference answer: (?P<reference>.*)\nAnswer to grade: (?P<answer>.*)\nHow well",
+                    re.DOTALL)
 
 
 def grade(text: str) -> str:
@@ -33,7 +34,8 @@ def grade(text: str) -> str:
 
 def user_text(messages: list[dict]) -> str:
     content = messages[-1]["content"]
-    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content if p["type"] == "text")
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content
+                                                            if p["type"] == "text")
 
 
 class JudgeServer:

@@ -70,8 +70,8 @@ class Server:
         return proc
 
     def cli(self, *args: str, timeout: float = 300) -> str:
-        r = subprocess.run([str(BIN / "prefect"), *args], env=self.env, cwd=REPO, capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run([str(BIN / "prefect"), *args], env=self.env, cwd=REPO, capture_output=True,
+                           text=True, timeout=timeout)
         assert r.returncode == 0, f"prefect {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r.stdout
 

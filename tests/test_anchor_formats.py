@@ -28,7 +28,8 @@ def anchors(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("anchors")
     folder = anchor_data.llamafactory_folder(root)
     return {
-        "trl_messages": {"json_path": str(anchor_data.trl_language_modeling(root).parent)},  # a folder of shards
+        # a folder of shards
+        "trl_messages": {"json_path": str(anchor_data.trl_language_modeling(root).parent)},
         "trl_prompt_completion": {"json_path": str(anchor_data.trl_prompt_completion(root))},
         "trl_preference": {"json_path": str(anchor_data.trl_preference(root))},
         "trl_prompt_only": {"json_path": str(anchor_data.trl_prompt_only(root)), "task": "math"},
@@ -46,32 +47,35 @@ def _sample(tmp_path, *entries: dict):
 def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
     data_yaml = tmp_path / "data.yaml"
     data_yaml.write_text(yaml.safe_dump({"datasets": list(anchors.values())}))
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(data_yaml), "--out", str(tmp_path / "o.jsonl"),
-                        "--explain"], capture_output=True, text=True, cwd=tmp_path, check=False)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(data_yaml), "--out",
+                        str(tmp_path / "o.jsonl"), "--explain"],
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     why = dict(line.split(": read as ", 1) for line in lines if ": read as " in line)
     folder = Path(anchors["llamafactory"]["json_path"])
     expected = {  # the source as the manifest names it -> how it was read
         anchors["trl_messages"]["json_path"]: "'messages' because its first record has messages",
-        anchors["trl_prompt_completion"]["json_path"]: "'prompt_completion' because its first record has prompt, "
-                                                       "completion",
-        anchors["trl_preference"]["json_path"]: "'preference' because its first record has prompt, chosen, rejected",
+        anchors["trl_prompt_completion"]["json_path"]: "'prompt_completion' because its first record "
+                                                       "has prompt, completion",
+        anchors["trl_preference"]["json_path"]: "'preference' because its first record has prompt, chosen, "
+                                                "rejected",
         anchors["trl_prompt_only"]["json_path"]: "'prompt_only' because its first record has prompt",
-        str(folder / "mllm_demo.json"): "'conversations' because its first record has conversations; LLaMA-Factory "
-                                        "dataset 'mllm_demo'; columns renamed {'conversations': 'messages', "
-                                        "'images': 'images'}",
-        str(folder / "rlhf_v_demo.json"): "'conversations' because its first record has conversations, chosen, "
-                                          "rejected; LLaMA-Factory dataset 'rlhf_v_demo'",
-        anchors["ms_swift"]["json_path"]: "'messages' because its first record has messages, rejected_response",
+        str(folder / "mllm_demo.json"): "'conversations' because its first record has conversations; "
+                                        "LLaMA-Factory dataset 'mllm_demo'; columns renamed "
+                                        "{'conversations': 'messages', 'images': 'images'}",
+        str(folder / "rlhf_v_demo.json"): "'conversations' because its first record has conversations, "
+                                          "chosen, rejected; LLaMA-Factory dataset 'rlhf_v_demo'",
+        anchors["ms_swift"]["json_path"]: "'messages' because its first record has messages, "
+                                          "rejected_response",
         str(folder / "alpaca_mm_demo.json"): "'alpaca' because its first record has instruction, output; "
                                              "LLaMA-Factory dataset 'alpaca_mm_demo'",
     }
     assert set(why) == set(expected), why
     for source, reason in expected.items():
         assert why[source].startswith(reason), (source, why[source])
-    assert any(line.startswith("formats, tried in this order") and "prompt_only (prompt, solution or answer)" in line
-               for line in lines)
+    assert any(line.startswith("formats, tried in this order")
+               and "prompt_only (prompt, solution or answer)" in line for line in lines)
     assert len(read_sampled(tmp_path / "o.jsonl")) == 32
     from vlmexp.data.sampling import explain_manifest  # what the pipeline's sample step logs
 
@@ -80,22 +84,23 @@ def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
 
 def test_trl_layouts_normalise_to_turns_targets_and_pairs(anchors, tmp_path):
     [lm, *_] = _sample(tmp_path / "lm", anchors["trl_messages"])
-    assert (lm.record_format, lm.problem, lm.target, lm.solution) == ("messages", "And its shape?", "A square.",
-                                                                      "A square.")
+    assert (lm.record_format, lm.problem, lm.target, lm.solution) == ("messages", "And its shape?",
+                                                                      "A square.", "A square.")
     assert lm.history == [{"role": "user", "content": "What colour is shape 0?"},
                           {"role": "assistant", "content": "It is red."}]
     assert len(lm.images) == 1 and lm.image_refs[0].startswith("images/")  # embedded, stored once
     [pc, *_] = _sample(tmp_path / "pc", anchors["trl_prompt_completion"])
     assert (pc.problem, pc.target, pc.history) == ("Name the colour of shape 0.", "red", [])
     [pref, *_] = _sample(tmp_path / "pref", anchors["trl_preference"])
-    assert (pref.problem, pref.target, pref.rejected, pref.solution) == ("Which colour is shape 0?", "red", "blue",
-                                                                         "red")
+    assert (pref.problem, pref.target, pref.rejected, pref.solution) == ("Which colour is shape 0?", "red",
+                                                                         "blue", "red")
     [po, second, *_] = _sample(tmp_path / "po", anchors["trl_prompt_only"])
-    assert (po.task, po.method, po.system, po.target, second.solution) == ("math", "math", "Think, then answer.",
-                                                                           None, "2")
+    assert (po.task, po.method, po.system, po.target, second.solution) == ("math", "math",
+                                                                           "Think, then answer.", None, "2")
 
 
-@pytest.mark.parametrize("name", ["trl_messages", "trl_prompt_completion", "trl_preference", "trl_prompt_only"])
+@pytest.mark.parametrize("name", ["trl_messages", "trl_prompt_completion", "trl_preference",
+                                  "trl_prompt_only"])
 def test_embedded_and_path_images_read_alike(anchors, tmp_path, name):
     """A TRL layout as parquet with embedded images and as JSONL with image paths gives the same records."""
     entry = anchors[name]
@@ -111,15 +116,17 @@ def test_embedded_and_path_images_read_alike(anchors, tmp_path, name):
 
 
 def test_trl_implicit_prompt_preference_reads_as_the_explicit_one(anchors, tmp_path):
-    """TRL's implicit-prompt preference layout (the prompt's turns repeated at the start of chosen and rejected,
-    as trl.extract_prompt splits them) gives the records of its explicit form; answers sharing no first turn
-    are refused naming the fix."""
-    explicit = anchor_data.as_jsonl_with_paths(Path(anchors["trl_preference"]["json_path"]), tmp_path / "paths")
+    """TRL's implicit-prompt preference layout (the prompt's turns repeated at the start of chosen and
+    rejected, as trl.extract_prompt splits them) gives the records of its explicit form; answers sharing no
+    first turn are refused naming the fix."""
+    explicit = anchor_data.as_jsonl_with_paths(Path(anchors["trl_preference"]["json_path"]),
+                                               tmp_path / "paths")
     rows = [json.loads(line) for line in explicit.read_text().splitlines()]
     implicit = explicit.with_name("implicit.jsonl")  # beside the images its paths name
     implicit.write_text("".join(json.dumps({"images": r["images"], "chosen": r["prompt"] + r["chosen"],
                                             "rejected": r["prompt"] + r["rejected"]}) + "\n" for r in rows))
-    keep = ("problem", "history", "system", "target", "rejected", "solution", "task", "image_sizes", "record_format")
+    keep = ("problem", "history", "system", "target", "rejected", "solution", "task", "image_sizes",
+            "record_format")
     got = _sample(tmp_path / "i", {"json_path": str(implicit)})
     want = _sample(tmp_path / "e", {"json_path": str(explicit)})
     assert [[getattr(r, k) for k in keep] for r in got] == [[getattr(r, k) for k in keep] for r in want]
@@ -135,20 +142,25 @@ def test_llamafactory_and_ms_swift_layouts(anchors, tmp_path):
     [demo, *_] = _sample(tmp_path / "lf", anchors["llamafactory"])
     assert demo.problem == "What is it doing?" and demo.target == "Standing still." and len(demo.images) == 2
     assert demo.history[1] == {"role": "assistant", "content": "A red square."}
-    assert demo.images[0] == str(Path(anchors["llamafactory"]["json_path"]).resolve() / "mllm_demo_data" / "red.png")
+    assert demo.images[0] == str(Path(anchors["llamafactory"]["json_path"]).resolve() / "mllm_demo_data"
+                                 / "red.png")
     [pref, *_] = _sample(tmp_path / "lfp", anchors["llamafactory_preference"])
     assert (pref.problem, pref.target, pref.rejected) == ("Which colour is it?", "red", "green")
     [alpaca, *_] = _sample(tmp_path / "alpaca", anchors["llamafactory_alpaca"])
-    assert (alpaca.problem, alpaca.target, alpaca.record_format) == ("Name the colour.\nOne word.", "red", "alpaca")
+    assert (alpaca.problem, alpaca.target, alpaca.record_format) == ("Name the colour.\nOne word.", "red",
+                                                                     "alpaca")
     assert alpaca.history == [{"role": "user", "content": "Hello."},
                               {"role": "assistant", "content": "Hello! Show me an image."}]
     make_png(tmp_path / "a.png")  # LLaMA-Factory's alpaca preference form, named directly as a file
-    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "<image>Colour?", "input": "", "chosen": "red",
-                                                      "rejected": "blue", "images": ["a.png"]}])
+    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "<image>Colour?", "input": "",
+                                                      "chosen": "red", "rejected": "blue",
+                                                      "images": ["a.png"]}])
     [pair] = _sample(tmp_path / "ranked", {"json_path": str(ranked)})
-    assert (pair.record_format, pair.problem, pair.target, pair.rejected) == ("alpaca", "Colour?", "red", "blue")
+    assert (pair.record_format, pair.problem, pair.target, pair.rejected) == ("alpaca", "Colour?", "red",
+                                                                              "blue")
     [swift, *_] = _sample(tmp_path / "swift", anchors["ms_swift"])
-    assert (swift.system, swift.target, swift.rejected) == ("You are a helpful assistant.", "It is red.", "It is blue.")
+    assert (swift.system, swift.target, swift.rejected) == ("You are a helpful assistant.", "It is red.",
+                                                            "It is blue.")
 
 
 def test_a_record_fitting_no_format_names_the_formats_and_its_fields(tmp_path):
@@ -157,8 +169,9 @@ def test_a_record_fitting_no_format_names_the_formats_and_its_fields(tmp_path):
         sample_sources([DataSource(json_path=str(path))], tmp_path / "o.jsonl", 0)
     text = str(e.value)
     assert f"{path}:1" in text and "fields: ['img', 'query', 'reply']" in text
-    for tried in ("preference (prompt, chosen, rejected)", "messages (messages)", "conversations (conversations)",
-                  "easyr1 (problem, answer, images)", "rec (image, problem, solution)"):
+    for tried in ("preference (prompt, chosen, rejected)", "messages (messages)",
+                  "conversations (conversations)", "easyr1 (problem, answer, images)",
+                  "rec (image, problem, solution)"):
         assert tried in text, tried
 
 
@@ -188,7 +201,8 @@ def test_turn_structures_a_stage_cannot_use_are_refused_naming_the_record(tmp_pa
 def test_llamafactory_folder_errors_name_the_entry_and_the_fix(anchors, tmp_path):
     folder = anchors["llamafactory"]["json_path"]
     for entry, needle in (({"json_path": folder}, ("name one of its datasets with `dataset:`, one of "
-                                                   "['alpaca_mm_demo', 'mllm_demo', 'mllm_video_demo', 'rlhf_v_demo']")),
+                                                   "['alpaca_mm_demo', 'mllm_demo', "
+                                                   "'mllm_video_demo', 'rlhf_v_demo']")),
                           ({"json_path": folder, "dataset": "mllm_video_demo"},
                            "[mllm_video_demo]: columns.videos = 'videos': not read by vlmexp"),
                           ({"json_path": str(tmp_path), "dataset": "x"}, "holds no dataset_info.json")):
@@ -200,8 +214,8 @@ def test_llamafactory_folder_errors_name_the_entry_and_the_fix(anchors, tmp_path
 @pytest.mark.slow
 def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_path, tiny_models):
     """SFT on multi-turn and single-turn conversations (loss on every assistant turn and nothing else), DPO on
-    the three preference layouts, GRPO on prompt-only, prompt-completion and multi-turn records: one step each,
-    weights changed; then evaluation on the GRPO records."""
+    the three preference layouts, GRPO on prompt-only, prompt-completion and multi-turn records: one step
+    each, weights changed; then evaluation on the GRPO records."""
     from safetensors.torch import load_file
 
     from vlmexp.config.loader import load_config
@@ -218,9 +232,10 @@ def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_pa
         data = tmp_path / f"{stage}.yaml"
         data.write_text(yaml.safe_dump({"datasets": [anchors[n] for n in names]}))
         cfg = load_config(REPO / "configs/demo.yaml", [
-            f"run.output_dir={tmp_path / stage}", "tracking.backend=none", f"model.path={base}", "data.demo=null",
-            f"data.data_yaml={data}", f"{stage}.args.max_steps=1", f"{stage}.args.per_device_train_batch_size=4",
-            f"{stage}.args.learning_rate=1e-3", f"{stage}.args.warmup_steps=0", *overrides])
+            f"run.output_dir={tmp_path / stage}", "tracking.backend=none", f"model.path={base}",
+            "data.demo=null", f"data.data_yaml={data}", f"{stage}.args.max_steps=1",
+            f"{stage}.args.per_device_train_batch_size=4", f"{stage}.args.learning_rate=1e-3",
+            f"{stage}.args.warmup_steps=0", *overrides])
         final = run(cfg)
         after = load_file(final / "model.safetensors")
         assert any(not (before[k] == after[k]).all() for k in before), f"{stage} changed no parameter"
@@ -279,7 +294,8 @@ def test_multi_turn_sft_needs_a_chat_template_trl_can_mark(tiny_models):
     args = SimpleNamespace(assistant_only_loss=False)
     require_assistant_masks(args, processor)
     assert args.assistant_only_loss is True
-    processor.chat_template = processor.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    processor.chat_template = processor.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}"
+                                                                   "{% endfor %}")
     with pytest.raises(ConfigError) as e:
         require_assistant_masks(SimpleNamespace(assistant_only_loss=False), processor)
     assert "model: chat_template" in str(e.value) and "add the markers" in str(e.value)
@@ -296,4 +312,5 @@ def test_validate_checks_a_llamafactory_dataset_name(anchors, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(config, check_paths=True)
     assert "data.datasets.0.dataset = 'mllm_dmeo'" in str(e.value) and "'mllm_demo'" in str(e.value)
-    load_config(config, ["data.datasets=[{json_path: '" + folder + "', dataset: mllm_demo}]"], check_paths=True)
+    load_config(config, ["data.datasets=[{json_path: '" + folder + "', dataset: mllm_demo}]"],
+                check_paths=True)

@@ -23,7 +23,8 @@ def test_gpu_grpo_bench_runs_at_the_tiny_shape(tmp_path):
     assert result["shape"] == "tiny" and result["G"] == 2 and result["new_tokens"] == 16
     # every completion has exactly new_tokens tokens (EOS suppressed), so the token counts are fixed
     assert result["generation_tokens_per_s"] > 0 and result["update_tokens_per_s"] > 0
-    assert 0 < result["update_mfu"] < 1 and set(result["phases_s"]) == {"generation_s", "logprob_pass_s", "update_s"}
+    assert (0 < result["update_mfu"] < 1
+            and set(result["phases_s"]) == {"generation_s", "logprob_pass_s", "update_s"})
 
 
 def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
@@ -35,7 +36,8 @@ def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
     start = datetime.datetime(2026, 11, 21, 23, 59, 58).timestamp()
     log = "\n".join([
         "23:59:59.000 | INFO    | prefect - Starting temporary server on http://127.0.0.1:8814",
-        "00:00:04.500 | INFO    | Flow run 'bold-lab' - Beginning flow run 'bold-lab' for flow 'vlm-pipeline'",
+        ("00:00:04.500 | INFO    | Flow run 'bold-lab' - Beginning flow run 'bold-lab' for flow "
+         "'vlm-pipeline'"),
         "00:00:05.000 | INFO    | Task run 'train-stage-0c0' - running python -m vlmexp.cli train sft",
         "00:00:09.000 | INFO    | Task run 'train-stage-0c0' - Finished in state Completed()",
         "some subprocess line without a timestamp",
@@ -85,7 +87,8 @@ def test_grpo_defaults_bench_measures_each_variant(tmp_path):
     default = "defaults (beta 0, activation checkpointing on)"
     assert set(variants) == {default, "beta 0.04 (reference model)", "activation checkpointing off"}
     for v in variants.values():
-        assert v["step_s"]["n"] == 2 and v["turn_s"]["n"] == 2 and v["turn_s"]["median"] >= v["step_s"]["median"]
+        assert (v["step_s"]["n"] == 2 and v["turn_s"]["n"] == 2
+                and v["turn_s"]["median"] >= v["step_s"]["median"])
         assert 0 < v["completion_length"] <= 48
     assert variants[default]["ratio_to_default"] == 1.0
     assert variants["beta 0.04 (reference model)"]["overrides"] == ["grpo.args.beta=0.04"]
@@ -95,9 +98,10 @@ GPU_CASES = {f"{stage}-{mode}-ckpt{ckpt}" for stage in ("sft", "dpo", "grpo") fo
              for ckpt in ("on", "off")}
 GPU_CASES |= {"autoprocessor", "grpo-mixed-sizes-lora64", "gpu_grpo_phases", "deepspeed-zero2-sft",
               "deepspeed-zero3-sft", "deepspeed-zero2-sft-lora64", "demo"}
-SPEED_CASES = {"grpo-full-ckpton-eager", "grpo64-full-ckpton-eager", "grpo64-full-ckpton", "grpo64-full-ckpton-profile",
-               "grpo64-full-ckptoff", "grpo64-full-ckpton-torch-compile", "raw-generate-compiled-8",
-               "raw-generate-compiled-64", "grpo-mixed-sizes-lora64-eager", "demo-eager"}
+SPEED_CASES = {"grpo-full-ckpton-eager", "grpo64-full-ckpton-eager", "grpo64-full-ckpton",
+               "grpo64-full-ckpton-profile", "grpo64-full-ckptoff", "grpo64-full-ckpton-torch-compile",
+               "raw-generate-compiled-8", "raw-generate-compiled-64", "grpo-mixed-sizes-lora64-eager",
+               "demo-eager"}
 GPU_CASES |= SPEED_CASES
 
 
@@ -121,14 +125,15 @@ def test_gpu_harness_dry_run_plans_every_case(tmp_path):
     assert cases["grpo64-full-ckpton-profile"]["profile_step"] == 2
     suites = {}
     for suite in ("speed-a", "speed-b"):
-        r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(tmp_path / suite), "--dry-run", "--suite",
-                            suite], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+        r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(tmp_path / suite), "--dry-run",
+                            "--suite", suite], check=False, capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         planned = json.loads((tmp_path / suite / "results.json").read_text())["cases"]
         suites[suite] = {n for n, c in planned.items() if c["status"] == "planned"}
     # the two speed calls measure every speed case and the compiled defaults they are compared with
-    assert suites["speed-a"] | suites["speed-b"] == SPEED_CASES | {"grpo-full-ckpton", "grpo-mixed-sizes-lora64",
-                                                                   "demo"}
+    assert suites["speed-a"] | suites["speed-b"] == SPEED_CASES | {"grpo-full-ckpton",
+                                                                   "grpo-mixed-sizes-lora64", "demo"}
 
 
 @pytest.mark.slow
@@ -136,12 +141,14 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path)
     """The harness at the tiny shape on CPU, mlflow and prefect made unimportable in the training processes
     (as on a GPU box that lacks them): each case trains and reports its figures."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work", str(tmp_path / "work"),
-                        "--only", "sft-lora64-ckpton,grpo-full-ckptoff,dpo-full-ckptoff,grpo-mixed-sizes-lora64"],
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
+                        str(tmp_path / "work"), "--only",
+                        "sft-lora64-ckpton,grpo-full-ckptoff,dpo-full-ckptoff,grpo-mixed-sizes-lora64"],
                        capture_output=True, text=True, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
-    assert set(result["cases"]) == GPU_CASES and result["model_build_s"] > 0 and result["matmul_peak_tflops"] > 0
+    assert (set(result["cases"]) == GPU_CASES and result["model_build_s"] > 0
+            and result["matmul_peak_tflops"] > 0)
     sft, grpo = result["cases"]["sft-lora64-ckpton"], result["cases"]["grpo-full-ckptoff"]
     assert sft["status"] == grpo["status"] == "ok", (sft.get("log_tail"), grpo.get("log_tail"))
     assert result["cases"]["sft-full-ckpton"]["status"] == "not selected"
@@ -160,18 +167,20 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path)
     # DPO on pairs of the model's own samples; GRPO over mixed image sizes, the pairing guard timed per step
     dpo, mixed = result["cases"]["dpo-full-ckptoff"], result["cases"]["grpo-mixed-sizes-lora64"]
     assert dpo["status"] == mixed["status"] == "ok", (dpo.get("log_tail"), mixed.get("log_tail"))
-    assert dpo["figures"]["steps"] == 3 and dpo["figures"]["peft"] is None and dpo["figures"]["tokens_per_s"] > 0
+    assert (dpo["figures"]["steps"] == 3 and dpo["figures"]["peft"] is None
+            and dpo["figures"]["tokens_per_s"] > 0)
     assert mixed["figures"]["steps"] == 3 and 0 < mixed["figures"]["guard_s"] < mixed["figures"]["step_s"]
     assert mixed["figures"]["generated_tokens_per_step"] == 8 * 2 * 4  # 8 prompts x G 2 x 4 new tokens
 
 
 @pytest.mark.slow
 def test_gpu_harness_tiny_speed_cases(tmp_path):
-    """The speed cases at the tiny shape on CPU: 64-completion GRPO with its profiler trace in the results folder,
-    the eager mixed-sizes case, and raw compiled generate (compiled on CPU, as on a GPU)."""
+    """The speed cases at the tiny shape on CPU: 64-completion GRPO with its profiler trace in the results
+    folder, the eager mixed-sizes case, and raw compiled generate (compiled on CPU, as on a GPU)."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work", str(tmp_path / "work"),
-                        "--only", "grpo64-full-ckpton-profile,raw-generate-compiled-8"],
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
+                        str(tmp_path / "work"), "--only",
+                        "grpo64-full-ckpton-profile,raw-generate-compiled-8"],
                        check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
     assert r.returncode == 0, r.stderr[-2000:]
     cases = json.loads((out / "results.json").read_text())["cases"]
@@ -191,7 +200,8 @@ def test_grpo_guard_bench_times_the_guard_per_step(tmp_path):
                        check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["image_grids_in_data"] >= 3 and "grpo.args.gradient_accumulation_steps=2" in result["overrides"]
+    assert (result["image_grids_in_data"] >= 3
+            and "grpo.args.gradient_accumulation_steps=2" in result["overrides"])
     assert 0 < result["guard_s_per_step"]["median"] < result["step_time_s"]["median"]
 
 
@@ -213,7 +223,8 @@ def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp
     cell = json.loads((out / "seed3-default.json").read_text())
     assert cell["torch_cpu_capability"] == "DEFAULT" and cell["threads"] == 1 and cell["torch_threads"] == 1
     assert cell["environment"]["ATEN_CPU_CAPABILITY"] == "default" and cell["seed"] == 3
-    assert set(cell["metrics"]) == {"base", "sft", "grpo", "dpo"} and set(cell["gains_over_sft"]) == {"grpo", "dpo"}
+    assert (set(cell["metrics"]) == {"base", "sft", "grpo", "dpo"}
+            and set(cell["gains_over_sft"]) == {"grpo", "dpo"})
     assert all(k in cell["gains_over_sft"]["grpo"] for k in ("gain", "se", "better", "worse"))
     assert list(cell["seconds"]) == ["start-up", "sft", "grpo", "dpo", "evaluation"]
     readme = tmp_path / "README.md"
@@ -222,14 +233,17 @@ def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp
                         str(readme)], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert t.returncode == 0, t.stderr
     text = readme.read_text()
-    assert "old" not in text and "| 3 | default |" in text and text.endswith("<!-- demo-table:end -->\ntail\n")
-    bad = subprocess.run([sys.executable, "bench/demo_matrix.py", "--table", "--out-dir", str(tmp_path / "none")],
+    assert ("old" not in text and "| 3 | default |" in text
+            and text.endswith("<!-- demo-table:end -->\ntail\n"))
+    bad = subprocess.run([sys.executable, "bench/demo_matrix.py", "--table", "--out-dir",
+                          str(tmp_path / "none")],
                          check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode != 0 and "no cell JSON" in bad.stderr
 
 
 def test_readme_demo_table_is_the_recorded_matrix():
-    """The README's demo table is generated from bench/results/demo_matrix/*.json and claims what they show."""
+    """The README's demo table is generated from bench/results/demo_matrix/*.json and claims what they
+    show."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("demo_matrix", REPO / "bench" / "demo_matrix.py")
@@ -241,7 +255,8 @@ def test_readme_demo_table_is_the_recorded_matrix():
     assert readme[start + len(matrix.MARKERS[0]):end].strip() == matrix.table(folder).strip(), (
         "README demo table is stale: run .venv/bin/python bench/demo_matrix.py --table --readme README.md")
     cells = [json.loads(p.read_text()) for p in folder.glob("seed*.json")]
-    assert {c["seed"] for c in cells} >= {42, 7, 1} and {c["arithmetic"] for c in cells} >= {"default", "avx2"}
+    assert ({c["seed"] for c in cells} >= {42, 7, 1}
+            and {c["arithmetic"] for c in cells} >= {"default", "avx2"})
     for c in cells:  # the README's claim, cell by cell: GRPO >= +0.03 and 3 paired SE, DPO >= 2 paired SE
         g = c["gains_over_sft"]["grpo"]
         assert g["gain"] >= 0.03 and g["gain"] >= 3 * g["se"], (c["seed"], c["arithmetic"], "grpo", g)
@@ -252,19 +267,23 @@ def test_readme_demo_table_is_the_recorded_matrix():
 
 @pytest.mark.slow
 def test_rl_loop_bench_records_validation_cost_and_the_filter(tmp_path):
-    small = ["data.demo.train=8", "data.demo.val=4", "sft.args.max_steps=2", "sft.args.per_device_train_batch_size=4",
-             "grpo.args.max_steps=2", "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
-             "grpo.args.logging_steps=1", "grpo.args.max_completion_length=8", "grpo.difficulty_filter.num_samples=2",
+    small = ["data.demo.train=8", "data.demo.val=4", "sft.args.max_steps=2",
+             "sft.args.per_device_train_batch_size=4", "grpo.args.max_steps=2",
+             "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
+             "grpo.args.logging_steps=1", "grpo.args.max_completion_length=8",
+             "grpo.difficulty_filter.num_samples=2",
              "grpo.rewards=[{name: 'rewards_for_tests:odd_rows_vary'}]", "eval.max_new_tokens=8",
              "eval.during_training_samples=2"]
-    r = subprocess.run([sys.executable, "bench/rl_loop.py", "--seeds", "3", "--arms", "plain", "filtered", "--every", "1",
-                        "--out-dir", str(tmp_path),
-                        "--work", str(tmp_path), *small], check=False, capture_output=True, text=True, cwd=REPO,
-                       timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
+    r = subprocess.run([sys.executable, "bench/rl_loop.py", "--seeds", "3", "--arms", "plain", "filtered",
+                        "--every", "1", "--out-dir", str(tmp_path),
+                        "--work", str(tmp_path), *small], check=False, capture_output=True, text=True,
+                       cwd=REPO, timeout=900,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads((tmp_path / "seed3.json").read_text())
     assert record["stages"]["sft"]["validations"] == 2 and record["stages"]["plain"]["validations"] == 2
     assert 0 < record["stages"]["plain"]["validation_share"] < 1
     assert record["stages"]["filtered"]["difficulty_filter"]["kept"] == 4  # the odd rows of 8
-    assert set(record["gains_over_sft"]) == {"plain", "filtered"} and "per_grpo_second" in record["gains_over_sft"]["plain"]
+    assert (set(record["gains_over_sft"]) == {"plain", "filtered"}
+            and "per_grpo_second" in record["gains_over_sft"]["plain"])
     assert not list(tmp_path.glob("rl_loop-seed3-*"))  # the seed's folder is removed without --keep

@@ -14,13 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def vlmexp(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd)
 
 
 def test_help_does_not_import_heavy_libraries():
     code = ("import sys, vlmexp.cli; vlmexp.cli.build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'prefect', 'mlflow') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'prefect', 'mlflow') if m in "
+            "sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     start = time.perf_counter()
@@ -36,19 +37,23 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
     r = vlmexp("make-demo-data", tmp_path / "d", "--train", 5, "--val", 3, "--seed", 1)
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "d" / "train.json").read_text())
-    assert len(rows) == 5 and all(r["demonstration"] != r["solution"] for r in rows)  # the demo's loose annotator
+    # the demo's loose annotator
+    assert len(rows) == 5 and all(r["demonstration"] != r["solution"] for r in rows)
     assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 8
-    r = vlmexp("make-demo-data", tmp_path / "g", "--train", 2, "--val", 1, "--width", 112, 112, "--height", 96, 96,
-               "--objects", 1, 1, "--background", "gradient", "--annotator-loose", 0, "--annotator-jitter", 0)
+    r = vlmexp("make-demo-data", tmp_path / "g", "--train", 2, "--val", 1, "--width", 112, 112, "--height",
+               96, 96, "--objects", 1, 1, "--background", "gradient", "--annotator-loose", 0,
+               "--annotator-jitter", 0)
     assert r.returncode == 0, r.stderr
     assert all("demonstration" not in r for r in json.loads((tmp_path / "g" / "train.json").read_text()))
     from PIL import Image
 
     assert Image.open(tmp_path / "g" / "images" / "train_00000.png").size == (112, 96)
     r = vlmexp("make-demo-data", tmp_path / "b", "--width", 300, 200)
-    assert r.returncode == 2 and "--width" in r.stderr and "[300, 200]" in r.stderr and not (tmp_path / "b").exists()
+    assert (r.returncode == 2 and "--width" in r.stderr and "[300, 200]" in r.stderr
+            and not (tmp_path / "b").exists())
     r = vlmexp("make-demo-data", tmp_path / "c", "--annotator-loose", 2)
-    assert r.returncode == 2 and "--annotator-loose" in r.stderr and "loose 2.0" in r.stderr and not (tmp_path / "c").exists()
+    assert (r.returncode == 2 and "--annotator-loose" in r.stderr and "loose 2.0" in r.stderr
+            and not (tmp_path / "c").exists())
 
 
 @pytest.mark.slow  # runs the command line in subprocesses
@@ -72,8 +77,8 @@ def test_run_with_val_fraction(tmp_path, demo_data):
     cfg.write_text(f"run: {{output_dir: {tmp_path / 'o'}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"
                    f"data:\n  data_yaml: {demo_data / 'train.yaml'}\n  val_fraction: 0.25\n")
     # the split is what is tested: two short steps per stage (TRL's defaults trained GRPO for 4 minutes here)
-    r = vlmexp("run", cfg, "sft.args.max_steps=2", "grpo.args.max_steps=2", "grpo.args.max_completion_length=16",
-               "eval.max_new_tokens=16", cwd=tmp_path)
+    r = vlmexp("run", cfg, "sft.args.max_steps=2", "grpo.args.max_steps=2",
+               "grpo.args.max_completion_length=16", "eval.max_new_tokens=16", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     train = (tmp_path / "o/data/train.jsonl").read_text().splitlines()
     val = (tmp_path / "o/data/val.jsonl").read_text().splitlines()
@@ -90,19 +95,22 @@ def test_run_bad_config_exits_2_before_writing(tmp_path):
 
 
 def test_prefect_setup_refuses_without_a_server_and_below_prefects_heartbeat(tmp_path):
-    """Automations on a temporary server would vanish with it; a window under Prefect's 30 s heartbeat would crash
-    healthy runs: both refused with exit 2 and the fix, before any server is asked."""
+    """Automations on a temporary server would vanish with it; a window under Prefect's 30 s heartbeat would
+    crash healthy runs: both refused with exit 2 and the fix, before any server is asked."""
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    none = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup"], capture_output=True, text=True,
-                          cwd=REPO, env={**env, "PREFECT_HOME": str(tmp_path)}, check=False)
-    assert none.returncode == 2 and "PREFECT_API_URL is not set" in none.stderr and "export PREFECT_API_URL=" in none.stderr
+    none = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup"], capture_output=True,
+                          text=True, cwd=REPO, env={**env, "PREFECT_HOME": str(tmp_path)}, check=False)
+    assert (none.returncode == 2 and "PREFECT_API_URL is not set" in none.stderr
+            and "export PREFECT_API_URL=" in none.stderr)
     short = subprocess.run([sys.executable, "-m", "vlmexp.cli", "prefect-setup", "--heartbeat-seconds", "10"],
                            capture_output=True, text=True, cwd=REPO, check=False,
-                           env={**env, "PREFECT_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"})
-    assert short.returncode == 2 and "--heartbeat-seconds 10: Prefect sends flow-run heartbeats at most every 30 s" \
-        in short.stderr
+                           env={**env, "PREFECT_HOME": str(tmp_path),
+                                "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert (short.returncode == 2
+            and "--heartbeat-seconds 10: Prefect sends flow-run heartbeats at most every 30 s"
+            in short.stderr)
 
 
 COUNT_TRL_CONFIGS = """
@@ -123,9 +131,9 @@ sys.exit(rc)
 
 @pytest.mark.slow  # one SFT step in a subprocess
 def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_path):
-    """The pipeline starts every rank of a stage with the run's resolved config, whose TRL args it checked when
-    it wrote it: the stage process builds its own TRL config once and no other; a resolved config edited by
-    hand is still refused before the model loads, naming the field and the fix."""
+    """The pipeline starts every rank of a stage with the run's resolved config, whose TRL args it checked
+    when it wrote it: the stage process builds its own TRL config once and no other; a resolved config edited
+    by hand is still refused before the model loads, naming the field and the fix."""
     from vlmexp.pipeline.keys import commit_resolved, resolve_config
 
     out = tmp_path / "o"
@@ -133,8 +141,8 @@ def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_p
         f"run.output_dir={out}", "data.demo.train=4", "data.demo.val=2", "tracking.backend=none",
         "sft.args.max_steps=1", "grpo.enabled=false", "eval.enabled=false", "eval.every_steps=0"])
     resolved = commit_resolved(pending)
-    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(resolved)], capture_output=True, text=True,
-                       cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(resolved)], capture_output=True,
+                       text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"SFTConfig": 1}
     assert (out / "sft" / "final").is_dir()

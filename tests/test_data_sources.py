@@ -32,7 +32,8 @@ def png_bytes(size, color="red") -> bytes:
 
 
 def geometry3k_rows(n: int, offset: int = 0) -> dict:
-    """hiyouga/geometry3k's columns: images (list of Image), problem with <image>, answer, id, choices, ground_truth."""
+    """hiyouga/geometry3k's columns: images (list of Image), problem with <image>, answer, id, choices,
+    ground_truth."""
     return {"images": [[{"bytes": png_bytes(SIZES[i % 4], ("red", "blue", "green")[i % 3]), "path": None}]
                        for i in range(offset, offset + n)],
             "problem": [f"<image>Find x. Angle {i} is given." for i in range(offset, offset + n)],
@@ -46,7 +47,8 @@ def geometry3k_dataset(n: int, offset: int = 0):
     from datasets import Dataset, Features, Image, List, Value
 
     features = Features({"images": List(Image()), "problem": Value("string"), "answer": Value("string"),
-                         "id": Value("string"), "choices": List(Value("string")), "ground_truth": Value("string")})
+                         "id": Value("string"), "choices": List(Value("string")),
+                         "ground_truth": Value("string")})
     return Dataset.from_dict(geometry3k_rows(n, offset), features=features)
 
 
@@ -111,9 +113,11 @@ def test_save_to_disk_folders_dataset_and_dataset_dict(tmp_path):
     from datasets import DatasetDict
 
     geometry3k_dataset(8).save_to_disk(tmp_path / "saved")
-    DatasetDict({"train": geometry3k_dataset(8), "test": geometry3k_dataset(3, 50)}).save_to_disk(tmp_path / "dict")
+    DatasetDict({"train": geometry3k_dataset(8),
+                 "test": geometry3k_dataset(3, 50)}).save_to_disk(tmp_path / "dict")
     result = sample_sources([DataSource(json_path=str(tmp_path / "saved"), sampling_strategy="first:3"),
-                             DataSource(json_path=f"{tmp_path / 'dict'}@test")], tmp_path / "out" / "t.jsonl", 0)
+                             DataSource(json_path=f"{tmp_path / 'dict'}@test")],
+                            tmp_path / "out" / "t.jsonl", 0)
     assert [r.id for r in _records(result)] == ["0", "1", "2", "50", "51", "52"]
     manifest = json.loads(result.manifest_path.read_text())
     assert all(s["kind"] == "saved" and s["fingerprint"] for s in manifest["sources"])
@@ -131,7 +135,8 @@ def hf_cache(tmp_path, monkeypatch, geometry3k) -> Path:
 
     cache = tmp_path / "hf" / "datasets"
     commit = "c0ffee" + "0" * 34
-    files = {s: [str(geometry3k / "data" / f"{s}-00000-of-00001.parquet")] for s in ("train", "validation", "test")}
+    files = {s: [str(geometry3k / "data" / f"{s}-00000-of-00001.parquet")]
+             for s in ("train", "validation", "test")}
     builder = Parquet(cache_dir=str(cache), dataset_name="geometry3k", hash=commit, data_files=files)
     builder.download_and_prepare()
     # where a load of the repository puts it: the namespaced folder, config "default" (a Hub load declares
@@ -149,7 +154,8 @@ def test_a_hub_id_with_split_loads_from_the_local_cache_offline(hf_cache, tmp_pa
     train = DataSource(json_path="hiyouga/geometry3k@train", sampling_strategy="first:4")
     local = write_jsonl(tmp_path / "local.jsonl", [{"problem": "2+2?", "answer": "4",
                                                     "images": [str(make_png(tmp_path / "im.png"))]}])
-    result = sample_sources([train, DataSource(json_path=str(local))], tmp_path / "out" / "train.jsonl", seed=3)
+    result = sample_sources([train, DataSource(json_path=str(local))], tmp_path / "out" / "train.jsonl",
+                            seed=3)
     records = _records(result)
     assert [r.id for r in records[:4]] == ["0", "1", "2", "3"] and records[4].solution == "4"
     hub = json.loads(result.manifest_path.read_text())["sources"][0]
@@ -171,7 +177,8 @@ def test_refcoco_style_image_column_and_column_mapping(tmp_path):
             "problem": ["the red thing"] * 4, "solution": [[2.0, 3.0, 20.0, 30.0]] * 4}
     features = Features({"image": Image(), "problem": Value("string"), "solution": List(Value("float32"))})
     Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "refcoco.parquet")
-    result = sample_sources([DataSource(json_path=str(tmp_path / "refcoco.parquet"))], tmp_path / "a" / "t.jsonl", 0)
+    result = sample_sources([DataSource(json_path=str(tmp_path / "refcoco.parquet"))],
+                            tmp_path / "a" / "t.jsonl", 0)
     records = _records(result)
     assert [r.task for r in records] == ["rec"] * 4 and records[0].solution == [2, 3, 20, 30]
     assert all(r.image_refs[0].startswith("images/") for r in records)
@@ -185,7 +192,8 @@ def test_refcoco_style_image_column_and_column_mapping(tmp_path):
     records = _records(sample_sources([mapped], tmp_path / "b" / "t.jsonl", 0))
     assert [(r.problem, r.solution, r.record_format) for r in records][1] == ("q1", "1", "easyr1")
 
-    wrong = DataSource(json_path=str(tmp_path / "qa.parquet"), columns={"problem": "prompt", "images": "picture"})
+    wrong = DataSource(json_path=str(tmp_path / "qa.parquet"),
+                       columns={"problem": "prompt", "images": "picture"})
     with pytest.raises(DataError) as e:
         sample_sources([wrong], tmp_path / "c" / "t.jsonl", 0)
     assert "['prompt']" in str(e.value) and "'question'" in str(e.value) and "columns" in str(e.value)
@@ -197,14 +205,16 @@ def _png_claiming(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
 
 
 def test_every_image_check_applies_to_embedded_images_and_values_stay_short(tmp_path):
     good = png_bytes((32, 32))
     bad = {"truncated": good[: len(good) // 2], "tiny": png_bytes((2, 2)), "aspect": png_bytes((1000, 4)),
            "bomb": _png_claiming(100000, 100000), "noise": b"\x00not an image" * 20000}
-    rows = [{"problem": f"p {k}", "answer": "1", "images": [{"bytes": v, "path": None}]} for k, v in bad.items()]
+    rows = [{"problem": f"p {k}", "answer": "1", "images": [{"bytes": v, "path": None}]}
+            for k, v in bad.items()]
     raw = [{"problem": "p", "answer": "1", "images": [b"\x89PNG" * 100000]}]  # raw bytes, broken
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -246,7 +256,8 @@ def test_a_lying_png_file_and_non_utf8_lines_are_problems_naming_the_record(tmp_
 
 
 def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, monkeypatch):
-    """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage key."""
+    """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage
+    key."""
     from vlmexp.config.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.pipeline.keys import stage_key
@@ -273,7 +284,8 @@ def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, m
     write_jsonl(tmp_path / "one" / "data" / "other.jsonl", rows[:10])
     d = str(tmp_path / "one" / "data" / "d.jsonl")
     both = sample_sources([DataSource(json_path=str(tmp_path / "one" / "data" / "other.jsonl"),
-                                      sampling_strategy="random:3"), DataSource(json_path=d, sampling_strategy="random:5")],
+                                      sampling_strategy="random:3"),
+                           DataSource(json_path=d, sampling_strategy="random:5")],
                           tmp_path / "mix" / "t.jsonl", seed=1)
     assert sorted(r.source_row for r in _records(both)[3:]) == sorted(
         r.source_row for r in _records(sample_sources([DataSource(json_path=d, sampling_strategy="random:5")],
@@ -294,17 +306,20 @@ def test_easyr1_format_reward_style():
 
 @pytest.mark.slow
 def test_one_grpo_step_from_parquet_with_embedded_images(geometry3k, tmp_path):
-    """The embedded model trains a GRPO step on geometry3k-layout data (images of four sizes, one per prompt)."""
+    """The embedded model trains a GRPO step on geometry3k-layout data (images of four sizes, one per
+    prompt)."""
     from vlmexp.config.loader import load_config
     from vlmexp.train.grpo import run_grpo
 
     data = tmp_path / "data.yaml"
-    data.write_text(f"datasets:\n  - {{json_path: '{geometry3k}/data/train-*.parquet', sampling_strategy: 'first:4'}}\n")
+    data.write_text(f"datasets:\n  - {{json_path: '{geometry3k}/data/train-*.parquet', "
+                    "sampling_strategy: 'first:4'}\n")
     cfg = load_config(REPO / "configs/demo.yaml", [
-        f"run.output_dir={tmp_path / 'run'}", "tracking.backend=none", "data.demo=null", f"data.data_yaml={data}",
-        "sft.enabled=false", *SMALL_BATCHES, "grpo.args.max_steps=1", "grpo.args.save_steps=1",
-        "grpo.args.gradient_accumulation_steps=1", "grpo.args.per_device_train_batch_size=4",
-        "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "grpo.args.logging_steps=1",
+        f"run.output_dir={tmp_path / 'run'}", "tracking.backend=none", "data.demo=null",
+        f"data.data_yaml={data}", "sft.enabled=false", *SMALL_BATCHES, "grpo.args.max_steps=1",
+        "grpo.args.save_steps=1", "grpo.args.gradient_accumulation_steps=1",
+        "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+        "grpo.args.max_completion_length=8", "grpo.args.logging_steps=1",
         "grpo.rewards=[{name: format, kwargs: {style: boxed}}, {name: math}]"])
     final = run_grpo(cfg)
     assert (final / "model.safetensors").is_file()
@@ -329,13 +344,15 @@ def test_validate_accepts_every_source_kind_and_names_a_glob_that_matches_nothin
 
 @pytest.mark.slow
 def test_data_sampling_benchmark_runs_at_a_small_size(tmp_path):
-    """bench/data_sampling.py (the figures in bench/RESULTS.md) at 300 records: every case samples, in its own process."""
+    """bench/data_sampling.py (the figures in bench/RESULTS.md) at 300 records: every case samples, in its own
+    process."""
     import subprocess
     import sys
 
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, str(REPO / "bench" / "data_sampling.py"), "--records", "300", "--embedded", "20",
-                    "--work", str(tmp_path / "w"), "--cases", "0,2,4", "--out", str(out)], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, str(REPO / "bench" / "data_sampling.py"), "--records", "300",
+                    "--embedded", "20", "--work", str(tmp_path / "w"), "--cases", "0,2,4", "--out", str(out)],
+                   check=True, cwd=tmp_path)
     cases = json.loads(out.read_text())["cases"]
     assert [c["rows"] for c in cases.values()] == [3, 3, 20]  # random:1% rounds up
     assert all(c["peak_rss_mib"] > 0 and c["wall_s"] > 0 for c in cases.values())

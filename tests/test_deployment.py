@@ -21,7 +21,8 @@ def test_deployments_run_from_a_worker_and_the_schedule_creates_runs(tmp_path):
         out = tmp_path / "run"
         params = {"config": "configs/demo.yaml", "overrides": [
             f"run.output_dir={out}", "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=2",
-            "grpo.args.max_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4", "grpo.args.max_completion_length=8",
+            "grpo.args.max_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+            "grpo.args.max_completion_length=8",
             "eval.max_new_tokens=8", *SMALL_BATCHES]}
         text = prefect("deployment", "run", "vlm-pipeline/manual", "--params", json.dumps(params), "--watch",
                        "--watch-timeout", "400", timeout=450)

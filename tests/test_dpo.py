@@ -13,8 +13,9 @@ from vlmexp.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-DPO_ARGS = ["dpo.enabled=true", "sft.enabled=false", "grpo.enabled=false", "dpo.args.per_device_train_batch_size=4",
-            "dpo.args.learning_rate=1e-3", "dpo.args.logging_steps=1", "dpo.args.max_length=256"]
+DPO_ARGS = ["dpo.enabled=true", "sft.enabled=false", "grpo.enabled=false",
+            "dpo.args.per_device_train_batch_size=4", "dpo.args.learning_rate=1e-3",
+            "dpo.args.logging_steps=1", "dpo.args.max_length=256"]
 
 
 def _weights(folder: Path) -> dict:
@@ -30,7 +31,8 @@ def _changed(before: dict, after: dict) -> list[str]:
 def _sampled_cfg(tmp_path, *overrides):
     return load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=8", "data.demo.val=4",
-        "dpo.pairs.from=samples", "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12", "dpo.pairs.min_margin=0.05",
+        "dpo.pairs.from=samples", "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12",
+        "dpo.pairs.min_margin=0.05",
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *DPO_ARGS, *overrides])
 
 
@@ -51,10 +53,12 @@ def test_dpo_from_samples_trains_and_writes_pairs(tmp_path):
     summary = json.loads((tmp_path / "dpo" / "pairs.json").read_text())
     assert summary["prompts"] == 8 and summary["pairs"] == len(pairs) > 0
     assert summary["prompts_without_pair"] == 8 - len(pairs)
-    assert all(p["chosen_score"] - p["rejected_score"] >= 0.05 and p["chosen"] != p["rejected"] for p in pairs)
+    assert all(p["chosen_score"] - p["rejected_score"] >= 0.05 and p["chosen"] != p["rejected"]
+               for p in pairs)
     [ckpt] = (tmp_path / "dpo").glob("checkpoint-*")
     history = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                "logps/chosen"):
         assert any(key in h for h in history), key
 
 
@@ -78,8 +82,8 @@ def test_dpo_resume_gives_the_same_weights(tmp_path):
 def test_dpo_from_pair_data_with_lora(tmp_path, tiny_models):
     from vlmexp.train.dpo import run_dpo
 
-    rows = [{"image": f"img{i % 2}.png", "question": f"What color is shape {i}?", "chosen": ("red", "blue")[i % 2],
-             "rejected": ("blue", "red")[i % 2]} for i in range(8)]
+    rows = [{"image": f"img{i % 2}.png", "question": f"What color is shape {i}?",
+             "chosen": ("red", "blue")[i % 2], "rejected": ("blue", "red")[i % 2]} for i in range(8)]
     data = _pair_data(tmp_path, rows)
     cfg = load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={tmp_path / 'out'}", "tracking.backend=none", "data.demo=null",
@@ -103,23 +107,26 @@ def test_bad_pair_records_are_rejected_with_file_and_line(tmp_path):
     data = _pair_data(tmp_path, rows)
     cfg = load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={tmp_path / 'out'}", "tracking.backend=none", "data.demo=null",
-        f"data.datasets=[{{json_path: '{data}', image_root: '{tmp_path}'}}]", "dpo.args.max_steps=2", *DPO_ARGS])
+        f"data.datasets=[{{json_path: '{data}', image_root: '{tmp_path}'}}]", "dpo.args.max_steps=2",
+        *DPO_ARGS])
     with pytest.raises(DataError) as err:
         run_dpo(cfg)
     text = str(err.value)
     assert f"{data}:2" in text and "chosen and rejected are the same" in text
     assert f"{data}:3" in text and "'rejected'" in text
     assert f"{data}:4" in text and "'chosen' must be a non-empty" in text
-    assert not (tmp_path / "out" / "dpo").exists() or not list((tmp_path / "out" / "dpo").glob("checkpoint-*"))
+    assert (not (tmp_path / "out" / "dpo").exists()
+            or not list((tmp_path / "out" / "dpo").glob("checkpoint-*")))
 
 
 def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path):  # noqa: F811 - fixture
     from test_flow import DEMO, SMALL, _artifacts, _mlflow, _run
 
     out = tmp_path / "run"
-    dpo = ["dpo.enabled=true", "dpo.pairs.from=samples", "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12",
-           "dpo.pairs.min_margin=0.05", "dpo.args.max_steps=3", "dpo.args.save_steps=3", "dpo.args.logging_steps=1",
-           "dpo.args.per_device_train_batch_size=4", "dpo.args.max_length=256", "grpo.enabled=false",
+    dpo = ["dpo.enabled=true", "dpo.pairs.from=samples", "dpo.pairs.num_samples=3",
+           "dpo.pairs.max_new_tokens=12", "dpo.pairs.min_margin=0.05", "dpo.args.max_steps=3",
+           "dpo.args.save_steps=3", "dpo.args.logging_steps=1", "dpo.args.per_device_train_batch_size=4",
+           "dpo.args.max_length=256", "grpo.enabled=false",
            "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
     result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *dpo])
 
@@ -130,14 +137,17 @@ def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path)
                 "logps/chosen", "logps/rejected"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3], key
     metrics = runs["demo-dpo"].data.metrics
-    assert metrics["pairs/prompts"] == 32 and metrics["pairs/pairs"] + metrics["pairs/prompts_without_pair"] == 32
+    assert (metrics["pairs/prompts"] == 32
+            and metrics["pairs/pairs"] + metrics["pairs/prompts_without_pair"] == 32)
     assert {"pairs/pairs.jsonl", "pairs/pairs.json", "plots/curves.png"} <= set(_artifacts(client, run_id))
     assert [row["model"] for row in result.evaluation] == ["base", "sft", "dpo"]
-    # the run page's first charts: the reward margin and the main evaluation metric (tests/test_flow.py: GRPO's)
+    # the run page's first charts: the reward margin and the main evaluation metric (tests/test_flow.py:
+    # GRPO's)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "Summary/reward_margin")] == [
         (m.step, m.value) for m in client.get_metric_history(run_id, "rewards/margins")]
     dpo_iou = client.get_run(runs["eval"].info.run_id).data.metrics["dpo/rec_mean_iou"]
-    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "Summary/rec_mean_iou")] == [(3, dpo_iou)]
+    assert [(m.step, m.value)
+            for m in client.get_metric_history(run_id, "Summary/rec_mean_iou")] == [(3, dpo_iou)]
     manifest = json.loads((out / "export" / "manifest.json").read_text())
     assert manifest["evaluation"][-1]["model"] == "dpo" and "dpo" in manifest["mlflow_stage_run_ids"]
     assert result.model.endswith("dpo/final")

@@ -47,8 +47,9 @@ def test_export_merges_lora_reloads_and_generates(tmp_path, adapter):
     from vlmexp.processor import load_processor
 
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "export", str(adapter), "--config", "configs/demo.yaml",
-                        "--out", str(out), f"run.output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "export", str(adapter), "--config",
+                        "configs/demo.yaml", "--out", str(out), f"run.output_dir={tmp_path}"],
+                       capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
@@ -58,16 +59,19 @@ def test_export_merges_lora_reloads_and_generates(tmp_path, adapter):
 
     exported = AutoModelForImageTextToText.from_pretrained(out)
     base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    merged = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base_path), adapter).merge_and_unload()
+    merged = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base_path),
+                                       adapter).merge_and_unload()
     base_sd, merged_sd, exported_sd = (AutoModelForImageTextToText.from_pretrained(base_path).state_dict(),
                                        merged.state_dict(), exported.state_dict())
     assert exported_sd.keys() == merged_sd.keys()
     assert all(torch.equal(exported_sd[k], merged_sd[k]) for k in merged_sd)
+    # LoRA was merged
     assert not torch.equal(exported_sd["model.language_model.layers.0.self_attn.q_proj.weight"],
-                           base_sd["model.language_model.layers.0.self_attn.q_proj.weight"])  # LoRA was merged
+                           base_sd["model.language_model.layers.0.self_attn.q_proj.weight"])
 
     processor = load_processor(out, get_family("qwen2_5_vl"))  # AutoProcessor where torchvision is installed
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find the red circle."}]}]
+    messages = [{"role": "user",
+                 "content": [{"type": "image"}, {"type": "text", "text": "Find the red circle."}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[Image.new("RGB", (112, 84), "red")], return_tensors="pt")
     generated = exported.generate(**inputs, max_new_tokens=6, do_sample=False)
@@ -95,8 +99,8 @@ def test_registry_promotes_only_a_better_model(tmp_path, tiny_models, direction,
     decisions = []
     for value in values:
         run = tracker.start_pipeline("p", {}, {})
-        decisions.append(register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou",
-                                              value, direction, registration=COPY))
+        decisions.append(register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model",
+                                              "rec_mean_iou", value, direction, registration=COPY))
         tracker.end(run)
     client = MlflowClient(tracker.uri)
     assert [d.version for d in decisions] == ["1", "2", "3", "4"]  # every export is kept as a version
@@ -118,9 +122,10 @@ def test_registered_champion_downloads_and_loads(tmp_path, tiny_models, monkeypa
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
     tracker = make_tracker(cfg)
     run = tracker.start_pipeline("p", {}, {})
-    register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5, "maximize",
-                         registration=COPY)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)  # models:/ URIs resolve through the registry's store
+    register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5,
+                         "maximize", registration=COPY)
+    # models:/ URIs resolve through the registry's store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)
     local = mlflow.artifacts.download_artifacts("models:/demo-model@champion", dst_path=str(tmp_path / "dl"))
     model = AutoModelForImageTextToText.from_pretrained(local)
     assert model.config.model_type == "qwen2_5_vl"
@@ -132,8 +137,10 @@ def test_registration_copies_small_exports_and_references_large_ones(tmp_path):
     from vlmexp.tracking.registration import plan_registration
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
-    plan = {over: plan_registration(load_config(REPO / "configs/demo.yaml", over, check_paths=False).export, tmp_path)
-            for over in ((), ("export.copy_max_gib=2e-6",), ("export.registration=copy", "export.copy_max_gib=2e-6"),
+    plan = {over: plan_registration(load_config(REPO / "configs/demo.yaml", over, check_paths=False).export,
+                                    tmp_path)
+            for over in ((), ("export.copy_max_gib=2e-6",),
+                         ("export.registration=copy", "export.copy_max_gib=2e-6"),
                          ("export.registration=reference", "export.reference_uri=s3://bucket/m"))}
     assert plan[()]["mode"] == "copy" and plan[()]["reason"] == "0.00 GiB <= export.copy_max_gib 1"
     assert plan[()]["size_bytes"] == 4096 and plan[()]["reference_uri"] is None
@@ -141,13 +148,14 @@ def test_registration_copies_small_exports_and_references_large_ones(tmp_path):
     assert "> export.copy_max_gib 2e-06" in plan[("export.copy_max_gib=2e-6",)]["reason"]
     forced = plan[("export.registration=copy", "export.copy_max_gib=2e-6")]
     assert forced["mode"] == "copy" and forced["reason"] == "export.registration is copy"
-    assert plan[("export.registration=reference", "export.reference_uri=s3://bucket/m")]["reference_uri"] == "s3://bucket/m"
+    assert plan[("export.registration=reference",
+                 "export.reference_uri=s3://bucket/m")]["reference_uri"] == "s3://bucket/m"
 
 
 def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, tiny_models, monkeypatch):
-    """A large export (here: any, with the threshold at 0) is registered by reference: its manifest says so, the
-    version points at a snapshot of hard links (not one byte copied) that the next export into the same folder
-    leaves as it was, the logged model holds no weights, and the champion downloads and loads from it.
+    """A large export (here: any, with the threshold at 0) is registered by reference: its manifest says so,
+    the version points at a snapshot of hard links (not one byte copied) that the next export into the same
+    folder leaves as it was, the logged model holds no weights, and the champion downloads and loads from it.
     export.reference_uri is taken only where it holds this export."""
     import shutil
 
@@ -170,20 +178,26 @@ def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, tin
     snapshot = Path(version.source.removeprefix("file://"))
     assert snapshot.parent == tmp_path / "registered" and version.tags["registration"] == "reference"
     weights = (out / "model.safetensors").stat()
-    assert (snapshot / "model.safetensors").stat().st_ino == weights.st_ino and weights.st_nlink == 2  # linked
+    # linked
+    assert (snapshot / "model.safetensors").stat().st_ino == weights.st_ino and weights.st_nlink == 2
     model = client.get_logged_model(version.tags["model_id"])
     assert model.tags["mlflow.model.isExternal"] == "true" and model.tags["vlmexp.files"] == version.source
-    assert [a.path for a in client.list_logged_model_artifacts(model.model_id)] == ["MLmodel"]  # no weights in MLflow
+    # no weights in MLflow
+    assert [a.path for a in client.list_logged_model_artifacts(model.model_id)] == ["MLmodel"]
 
-    export_model(cfg, str(tiny_models["qwen2_5_vl"]), tmp_path / "export", {"again": True})  # replaces export/
+    # replaces export/
+    export_model(cfg, str(tiny_models["qwen2_5_vl"]), tmp_path / "export", {"again": True})
     assert (snapshot / "model.safetensors").stat().st_ino == weights.st_ino
-    assert "again" not in json.loads((snapshot / "manifest.json").read_text())  # the registered files, as they were
+    # the registered files, as they were
+    assert "again" not in json.loads((snapshot / "manifest.json").read_text())
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)
     local = mlflow.artifacts.download_artifacts("models:/big-model@champion", dst_path=str(tmp_path / "dl"))
     assert AutoModelForImageTextToText.from_pretrained(local).config.model_type == "qwen2_5_vl"
 
-    elsewhere = tmp_path / "bucket" / "big-model-v2"  # where the user keeps a copy: taken once it holds this export
-    with pytest.raises(ConfigError, match=r"export\.reference_uri = .*manifest\.json is not this export's manifest"):
+    # where the user keeps a copy: taken once it holds this export
+    elsewhere = tmp_path / "bucket" / "big-model-v2"
+    with pytest.raises(ConfigError,
+                       match=r"export\.reference_uri = .*manifest\.json is not this export's manifest"):
         register_and_promote(tracker, run, out, "big-model", "rec_mean_iou", 0.4, "maximize",
                              registration={**plan, "reference_uri": elsewhere.as_uri()})
     shutil.copytree(out, elsewhere)
@@ -203,8 +217,10 @@ def test_export_metric_must_be_one_evaluation_produces():
     from vlmexp.config.stages import METRIC_KEYS
     from vlmexp.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "
-                                          r"rec_mean_iou, rec_acc50, rec_acc75, math_accuracy, exact_accuracy"):
+    with pytest.raises(ConfigError,
+                       match=r"export\.metric = 'rec_mean_iuo'(.|\n)*use one of count, format_rate, "
+                             r"rec_mean_iou, rec_acc50, rec_acc75, math_accuracy, exact_accuracy"):
         load_config(REPO / "configs/demo.yaml", ["export.metric=rec_mean_iuo"], check_paths=False)
     for metric in METRIC_KEYS:
-        assert load_config(REPO / "configs/demo.yaml", [f"export.metric={metric}"], check_paths=False).export.metric == metric
+        assert load_config(REPO / "configs/demo.yaml", [f"export.metric={metric}"],
+                           check_paths=False).export.metric == metric

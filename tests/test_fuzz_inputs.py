@@ -32,19 +32,22 @@ BUDGET = settings(max_examples=80, deadline=None, derandomize=True, database=Non
 
 # --- generators ---------------------------------------------------------------------------------------
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
-                    st.text(max_size=20), st.sampled_from(["1e-6", "nan", "inf", "no", "tiny:qwen2_5_vl", "random:10%",
-                                                           "json:dumps", "nosuch:fn", "", "first:0"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                          max_size=4), max_leaves=12)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
+                    st.sampled_from(["1e-6", "nan", "inf", "no", "tiny:qwen2_5_vl", "random:10%",
+                                     "json:dumps", "nosuch:fn", "", "first:0"]))
+values = st.recursive(scalars,
+                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=4), max_leaves=12)
 BASE_CONFIG = {"run": {"name": "fuzz", "seed": 1}, "model": {"path": "tiny:qwen2_5_vl"},
                "tracking": {"backend": "none"}, "data": {"demo": {"train": 4, "val": 2}},
                "sft": {"args": {"max_steps": 1, "learning_rate": 1e-4}},
-               "grpo": {"rewards": [{"name": "format", "weight": 0.5}, {"name": "iou"}], "args": {"beta": 0.0}},
+               "grpo": {"rewards": [{"name": "format", "weight": 0.5}, {"name": "iou"}],
+                        "args": {"beta": 0.0}},
                "eval": {"batch_size": 2}}
-KEYS = ["run", "model", "data", "sft", "grpo", "eval", "tracking", "launch", "pipeline", "name", "seed", "path",
-        "args", "rewards", "weight", "kwargs", "demo", "datasets", "json_path", "sampling_strategy", "learning_rate",
-        "batch_size", "output_dir", "peft", "r", "dropout", "temperature", "max_pixels"]
+KEYS = ["run", "model", "data", "sft", "grpo", "eval", "tracking", "launch", "pipeline", "name", "seed",
+        "path", "args", "rewards", "weight", "kwargs", "demo", "datasets", "json_path", "sampling_strategy",
+        "learning_rate", "batch_size", "output_dir", "peft", "r", "dropout", "temperature", "max_pixels"]
 
 
 @st.composite
@@ -81,8 +84,9 @@ def mutated_bytes(draw, data: bytes):
         if kind == "flip" and out:
             out[i] = draw(st.integers(0, 255))
         elif kind == "insert":
-            out[i:i] = draw(st.sampled_from([b"\x00", b"\xff", b"&a ", b"*a", b"\n  ", b": ", b"[", b"- ", b"\xe9",
-                                              b"!!python/name:os.system ", b"NaN", b"Infinity", b'"', b"{"]))
+            out[i:i] = draw(st.sampled_from([b"\x00", b"\xff", b"&a ", b"*a", b"\n  ", b": ", b"[", b"- ",
+                                             b"\xe9", b"!!python/name:os.system ", b"NaN", b"Infinity", b'"',
+                                             b"{"]))
         elif kind == "delete" and out:
             del out[i]
         elif kind == "truncate":
@@ -103,8 +107,8 @@ def _written(folder: Path) -> set[Path]:
 
 @settings(BUDGET, max_examples=40)  # each example builds TRL's config classes (~0.2 s)
 @given(document=yaml_documents(BASE_CONFIG), overrides=st.lists(st.builds(
-    lambda k, v: f"{k}={v}", st.sampled_from(["run.seed", "eval.batch_size", "grpo.args.beta", "sft.args.lr", "x.y",
-                                              "grpo.rewards.0.weight", "data.demo.train"]),
+    lambda k, v: f"{k}={v}", st.sampled_from(["run.seed", "eval.batch_size", "grpo.args.beta", "sft.args.lr",
+                                              "x.y", "grpo.rewards.0.weight", "data.demo.train"]),
     st.sampled_from(["1", "-1", ".nan", "nan", "[1, 2", "&a [*a]", "{a: 1, a: 2}", "yes", "1e9", "x" * 300])),
     max_size=2))
 def test_config_loader_gives_a_config_or_the_projects_error(document, overrides):
@@ -126,8 +130,9 @@ def test_config_loader_gives_a_config_or_the_projects_error(document, overrides)
 
 # --- data YAMLs ---------------------------------------------------------------------------------------
 
-BASE_DATA_YAML = {"datasets": [{"json_path": "a.jsonl", "sampling_strategy": "random:50%", "image_root": "img",
-                                "task": "rec"}, {"json_path": "b.json", "sampling_strategy": "first:2"}]}
+BASE_DATA_YAML = {"datasets": [{"json_path": "a.jsonl", "sampling_strategy": "random:50%",
+                                "image_root": "img", "task": "rec"},
+                               {"json_path": "b.json", "sampling_strategy": "first:2"}]}
 
 
 @BUDGET
@@ -177,19 +182,21 @@ def _sample(folder: Path, record_file: bytes, suffix: str, image: bytes, strateg
         result = sample_sources([src], out, seed=3)
     except VlmexpError as e:
         assert e.problems and all(len(str(p)) < 2500 for p in e.problems)
-        assert not (folder / "out").exists() or not any((folder / "out").iterdir()), "nothing written on error"
+        assert (not (folder / "out").exists()
+                or not any((folder / "out").iterdir())), "nothing written on error"
         return None
     assert out.is_file() and result.rows == len(out.read_text().splitlines())
     for line in out.read_text().splitlines():
         row = json.loads(line)
         if row["task"] == "rec":
-            assert all(math.isfinite(float(v)) for v in (row["solution"] if isinstance(row["solution"], list) else []))
+            assert all(math.isfinite(float(v))
+                       for v in (row["solution"] if isinstance(row["solution"], list) else []))
     return result
 
 
 @BUDGET
-@given(rows=records, suffix=st.sampled_from([".jsonl", ".json"]), strategy=st.sampled_from(["all", "first:1",
-                                                                                            "random:50%", "end:9"]))
+@given(rows=records, suffix=st.sampled_from([".jsonl", ".json"]),
+       strategy=st.sampled_from(["all", "first:1", "random:50%", "end:9"]))
 def test_sampling_generated_records(rows, suffix, strategy):
     with tempfile.TemporaryDirectory() as tmp:
         _sample(Path(tmp), _record_bytes(rows, suffix), suffix, _png(), strategy)
@@ -220,7 +227,8 @@ def _png_claiming(width: int, height: int) -> bytes:
 @BUDGET
 @given(image=st.one_of(st.just(_png()).flatmap(mutated_bytes), st.binary(max_size=64),
                        # headers that lie about the size, up to past PIL's decompression-bomb limit
-                       st.builds(lambda w, h: _png_claiming(w, h), st.integers(0, 200000), st.integers(0, 200000))))
+                       st.builds(lambda w, h: _png_claiming(w, h), st.integers(0, 200000),
+                                 st.integers(0, 200000))))
 def test_sampling_mutated_image_bytes(image):
     with tempfile.TemporaryDirectory() as tmp:
         _sample(Path(tmp), _record_bytes([GOOD_RECORD], ".jsonl"), ".jsonl", image)
@@ -228,7 +236,8 @@ def test_sampling_mutated_image_bytes(image):
 
 @BUDGET
 @given(image=st.one_of(st.just(_png()).flatmap(mutated_bytes), st.binary(max_size=64),
-                       st.builds(lambda w, h: _png_claiming(w, h), st.integers(0, 200000), st.integers(0, 200000))))
+                       st.builds(lambda w, h: _png_claiming(w, h), st.integers(0, 200000),
+                                 st.integers(0, 200000))))
 def test_sampling_mutated_embedded_images(image):
     """A parquet record whose image is embedded as a {bytes, path} struct, as datasets stores an Image."""
     import pyarrow as pa

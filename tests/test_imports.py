@@ -72,11 +72,12 @@ def _importers(graph: dict[str, set[str]], importer: str, imported: str) -> dict
 
 
 def test_layers_point_down():
-    """The command line is the one module that reaches into the orchestration (flows/, tasks/, prefect); MLflow
-    tracking serves both the pipeline's process and a stage's and imports neither; a training stage never
-    imports the pipeline's process."""
+    """The command line is the one module that reaches into the orchestration (flows/, tasks/, prefect);
+    MLflow tracking serves both the pipeline's process and a stage's and imports neither; a training stage
+    never imports the pipeline's process."""
     graph = _graph()
-    reach_up = {m: deps for pkg in ("flows", "tasks", "prefect") for m, deps in _importers(graph, "vlmexp", pkg).items()}
+    reach_up = {m: deps for pkg in ("flows", "tasks", "prefect")
+                for m, deps in _importers(graph, "vlmexp", pkg).items()}
     assert set(reach_up) <= {"vlmexp.cli"}, reach_up
     assert "vlmexp.cli" in reach_up  # the rule is read from real imports: the command line starts the flow
     for lower, upper in (("vlmexp.tracking", "vlmexp.pipeline"), ("vlmexp.tracking", "vlmexp.train"),
@@ -86,8 +87,8 @@ def test_layers_point_down():
 
 
 def test_no_training_stage_imports_another():
-    """SFT, DPO and GRPO each own their stage; what they share (generation, data, callbacks, the stage's set-up)
-    lives below them."""
+    """SFT, DPO and GRPO each own their stage; what they share (generation, data, callbacks, the stage's
+    set-up) lives below them."""
     graph = _graph()
     stages = ("vlmexp.train.sft", "vlmexp.train.dpo", "vlmexp.train.grpo")
     for stage in stages:

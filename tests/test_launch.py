@@ -1,4 +1,5 @@
-"""The launch section: exact commands (--dry-run), real torchrun (2 CPU processes), DeepSpeed ZeRO-2/3 steps."""
+"""The launch section: exact commands (--dry-run), real torchrun (2 CPU processes), DeepSpeed ZeRO-2/3
+steps."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ DEMO = str(REPO / "configs/demo.yaml")
 
 
 def vlmexp(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "tests"), **(env or {})})
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "tests"), **(env or {})})
 
 
 def dry_run(stage, *overrides):
@@ -41,15 +42,16 @@ def test_dry_run_prints_the_exact_command_for_each_launcher():
     assert dry_run("grpo", *node1).startswith(
         f"{BIN}/torchrun --nproc_per_node=8 --nnodes=2 --node_rank=1 --rdzv_backend=c10d "
         "--rdzv_endpoint=10.1.2.3:29500 --rdzv_id=demo -m vlmexp.cli train grpo")
-    acc = dry_run("sft", "launch.launcher=accelerate", "launch.accelerate_config=configs/accelerate/multi_gpu.yaml",
-                  "launch.nproc_per_node=4", "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500")
+    acc = dry_run("sft", "launch.launcher=accelerate",
+                  "launch.accelerate_config=configs/accelerate/multi_gpu.yaml", "launch.nproc_per_node=4",
+                  "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500")
     assert acc.startswith(f"{BIN}/accelerate launch --config_file configs/accelerate/multi_gpu.yaml "
                           "--num_processes=8 --num_machines=2 --machine_rank=0 --main_process_ip=node0 "
                           "--main_process_port=29500 -m vlmexp.cli train sft")
     ds = dry_run("grpo", "launch.launcher=deepspeed", "launch.nproc_per_node=8", "launch.nnodes=2",
                  "launch.hostfile=hostfile", "launch.deepspeed=configs/deepspeed/zero3.json")
-    assert ds.startswith(f"{BIN}/deepspeed --hostfile=hostfile --num_nodes=2 --num_gpus=8 --module vlmexp.cli "
-                         "train grpo")
+    assert ds.startswith(f"{BIN}/deepspeed --hostfile=hostfile --num_nodes=2 --num_gpus=8 --module "
+                         "vlmexp.cli train grpo")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -100,8 +102,9 @@ def test_deepspeed_zero_configs_run_training_steps(tmp_path, stage, zero):
     from transformers import AutoModelForImageTextToText
 
     extra = (["sft.args.max_steps=2", "sft.args.save_steps=2"] if stage == "sft" else
-             ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
-              "grpo.args.max_completion_length=8", "grpo.args.beta=0.04", "grpo.args.logging_steps=1", "grpo.args.temperature=1.5",
+             ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
+              "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "grpo.args.beta=0.04",
+              "grpo.args.logging_steps=1", "grpo.args.temperature=1.5",
               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"])
     r = vlmexp("train", stage, "--config", DEMO, f"run.output_dir={tmp_path}", *TRAIN, *extra,
                "launch.launcher=torchrun", f"launch.deepspeed=configs/deepspeed/{zero}.json")
@@ -111,7 +114,9 @@ def test_deepspeed_zero_configs_run_training_steps(tmp_path, stage, zero):
     [base] = (tmp_path / "models").glob("tiny-*")
     # ZeRO-3 gathers the 16-bit weights and saves them under the module's own names (model.model.*), which
     # from_pretrained maps back: compare what loads, which is what every later stage reads
-    before, after = (AutoModelForImageTextToText.from_pretrained(p).state_dict() for p in (base, tmp_path / stage / "final"))
+    before, after = (AutoModelForImageTextToText.from_pretrained(p).state_dict()
+                     for p in (base, tmp_path / stage / "final"))
     assert before.keys() == after.keys() and all(before[k].shape == after[k].shape for k in before)
     assert any(not (before[k] == after[k]).all() for k in before)  # full weights gathered and trained
-    assert all((before[k] - after[k]).abs().max() < 0.05 for k in before)  # trained from the base, not re-initialised
+    # trained from the base, not re-initialised
+    assert all((before[k] - after[k]).abs().max() < 0.05 for k in before)

@@ -27,11 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 def _sections(url: str) -> list[tuple[str, int]]:
     """(section, number of charts) in page order, from the section headers of the DOM Chromium rendered (the
     charts themselves draw later, as they scroll into view)."""
-    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                          "--window-size=1600,1400", "--virtual-time-budget=30000", "--dump-dom", url],
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--disable-background-networking", "--window-size=1600,1400",
+                          "--virtual-time-budget=30000", "--dump-dom", url],
                          capture_output=True, text=True, timeout=180, check=True).stdout
     parts = dom.split('data-testid="experiment-view-compare-runs-section-header"')[1:]
-    headers = [re.search(r'white-space: pre;">([^<]*)</div><div[^>]*>\((\d+)\)</div>', part) for part in parts]
+    headers = [re.search(r'white-space: pre;">([^<]*)</div><div[^>]*>\((\d+)\)</div>', part)
+               for part in parts]
     return [(h.group(1), int(h.group(2))) for h in headers if h]
 
 
@@ -39,15 +41,17 @@ def _screenshot(url: str, out: Path):
     """The page as headless Chromium renders it, as an RGB image."""
     from PIL import Image
 
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--window-size=1400,1000", "--virtual-time-budget=30000", "--hide-scrollbars",
-                    f"--screenshot={out}", url], capture_output=True, text=True, timeout=180, check=True)
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", "--window-size=1400,1000",
+                    "--virtual-time-budget=30000", "--hide-scrollbars", f"--screenshot={out}", url],
+                   capture_output=True, text=True, timeout=180, check=True)
     return Image.open(out).convert("RGB")
 
 
 def _near(image, colour, tolerance: int = 24) -> int:
     """How many pixels of `image` are within `tolerance` of `colour` on every channel."""
-    return sum(n for n, c in image.getcolors(1 << 24) if all(abs(a - b) <= tolerance for a, b in zip(c, colour)))
+    return sum(n for n, c in image.getcolors(1 << 24)
+               if all(abs(a - b) <= tolerance for a, b in zip(c, colour)))
 
 
 def _picture(tmp_path: Path) -> Path:
@@ -76,20 +80,23 @@ def test_a_grpo_run_page_opens_on_the_reward_and_the_evaluation_metric(tmp_path)
     tracker.log_metrics(grpo, {f"{HEADLINE}/{cfg.export.metric}": 0.31, "eval/rec_mean_iou": 0.31}, 3)
     tracker.log_artifact(grpo, _picture(tmp_path), "evaluation/pictures")  # as the evaluation report logs it
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "ui", "--store", tracker.uri, "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "ui", "--store", tracker.uri, "--port",
+                               str(port)],
                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 120)
         sections = _sections(f"http://127.0.0.1:{port}/#/experiments/{tracker.experiment_id}/runs/{grpo}/"
                              "model-metrics?workflowType=machine_learning")
-        shot = _screenshot(f"http://127.0.0.1:{port}/#/experiments/{tracker.experiment_id}/runs/{grpo}/artifacts/"
-                           "evaluation/pictures/record_000.png?workflowType=machine_learning", tmp_path / "page.png")
+        shot = _screenshot(f"http://127.0.0.1:{port}/#/experiments/{tracker.experiment_id}/runs/{grpo}/"
+                           "artifacts/evaluation/pictures/record_000.png?workflowType=machine_learning",
+                           tmp_path / "page.png")
     finally:
         stop(server)
     from vlmexp.pictures import COLOURS
 
-    # the run's artifact page shows the picture: its boxes' colours are on screen (the page itself has neither)
+    # the run's artifact page shows the picture: its boxes' colours are on screen (the page itself has
+    # neither)
     assert _near(shot, COLOURS["truth"][1]) > 200 and _near(shot, COLOURS["grpo"][1]) > 200, shot.size
     assert sections[:3] == [("Summary", 2), ("clip_ratio", 1), ("completions", 1)], sections
     assert sections[-1] == ("Model metrics", 2), sections  # reward and loss: keys without a section come last

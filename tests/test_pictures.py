@@ -1,6 +1,6 @@
-"""Pictures of records with boxes (vlmexp.pictures): logged to a real MLflow store by the evaluation report, read
-back through MlflowClient, and checked pixel by pixel: each box's colour lies on its edges at the coordinates of
-the box in original pixels, whatever frame the family answers in."""
+"""Pictures of records with boxes (vlmexp.pictures): logged to a real MLflow store by the evaluation report,
+read back through MlflowClient, and checked pixel by pixel: each box's colour lies on its edges at the
+coordinates of the box in original pixels, whatever frame the family answers in."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from vlmexp.coords import to_frame
 
 WIDTH, HEIGHT = 1000, 500
 TRUTH = [100, 50, 300, 250]
-ANSWERS = {"base": [600, 300, 900, 450], "sft": [80, 40, 360, 300], "grpo": [420, 60, 560, 200]}  # original pixels
-BUDGETS = {"qwen2_vl": {}, "qwen2_5_vl": {"max_pixels": 102400}, "internvl": {}}  # 1000x500 -> 448x224 for 2.5
+# original pixels
+ANSWERS = {"base": [600, 300, 900, 450], "sft": [80, 40, 360, 300], "grpo": [420, 60, 560, 200]}
+# 1000x500 -> 448x224 for 2.5
+BUDGETS = {"qwen2_vl": {}, "qwen2_5_vl": {"max_pixels": 102400}, "internvl": {}}
 
 
 def _family(name: str):
@@ -38,7 +40,8 @@ def _answer(box, family, budget) -> str:
 
 
 def _evaluations(tmp_path: Path, records, completions: dict[str, list[str]], family, budget):
-    """Each model's Evaluation, its samples.jsonl written by score_records as `vlmexp.evaluate.evaluate` writes it."""
+    """Each model's Evaluation, its samples.jsonl written by score_records as `vlmexp.evaluate.evaluate`
+    writes it."""
     from vlmexp.evaluate import score_records
     from vlmexp.results import Evaluation
 
@@ -46,8 +49,8 @@ def _evaluations(tmp_path: Path, records, completions: dict[str, list[str]], fam
     for name, texts in completions.items():
         metrics, rows = score_records(records, texts, family.box_frame, budget)
         samples = write_jsonl(tmp_path / name / "samples.jsonl", rows)
-        out.append(Evaluation(name=name, model=str(tmp_path / name), metrics=metrics, samples=str(samples), key="k",
-                              seconds=1.0))
+        out.append(Evaluation(name=name, model=str(tmp_path / name), metrics=metrics, samples=str(samples),
+                              key="k", seconds=1.0))
     return out
 
 
@@ -63,7 +66,8 @@ def _logged(tmp_path: Path, evaluations, pictures: int = 16):
                       check_paths=False)
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline("demo-pipeline", {}, {})
-    log_evaluation_run(tracker, parent, evaluations, [], None, None, pictures, tmp_path / "run" / "eval" / "pictures")
+    log_evaluation_run(tracker, parent, evaluations, [], None, None, pictures,
+                       tmp_path / "run" / "eval" / "pictures")
     client = MlflowClient(tracker.uri)
     [ev] = [r for r in client.search_runs([tracker.experiment_id]) if r.info.run_name == "eval"]
     return client, ev.info.run_id, parent
@@ -118,7 +122,8 @@ def test_evaluation_pictures_put_each_box_on_its_original_pixels(tmp_path, famil
     assert max(grid.size) <= MAX_SIDE
     rows = [json.loads(x) for x in Path(tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
     assert rows[0]["truth"] == [{"box": [float(v) for v in TRUTH], "label": ""}]
-    assert rows[0]["boxes"][0]["box"] == pytest.approx(ANSWERS["sft"], abs=0.2)  # read back to original pixels
+    # read back to original pixels
+    assert rows[0]["boxes"][0]["box"] == pytest.approx(ANSWERS["sft"], abs=0.2)
     assert rows[1]["boxes"] == [] and rows[1]["score"] == 0.0
 
 
@@ -127,9 +132,11 @@ def test_detection_pictures_draw_every_box_and_text_tasks_their_answers(tmp_path
 
     family, budget = _family("qwen2_vl")
     make_png(tmp_path / "wide.png", size=(WIDTH, HEIGHT), color="white")
-    gold = [{"bbox_2d": [100, 100, 300, 300], "label": "cat"}, {"bbox_2d": [500, 200, 900, 450], "label": "dog"}]
+    gold = [{"bbox_2d": [100, 100, 300, 300], "label": "cat"},
+            {"bbox_2d": [500, 200, 900, 450], "label": "dog"}]
     said = [{"bbox_2d": to_frame(o["bbox_2d"], WIDTH, HEIGHT, "grid1000"), "label": o["label"]} for o in
-            ({"bbox_2d": [120, 90, 320, 280], "label": "cat"}, {"bbox_2d": [540, 240, 860, 420], "label": "dog"})]
+            ({"bbox_2d": [120, 90, 320, 280], "label": "cat"},
+             {"bbox_2d": [540, 240, 860, 420], "label": "dog"})]
     det = {"image": "wide.png", "problem": "find them", "task": "detection", "accu_reward_method": "od_ap",
            "solution": f"<answer>```json {json.dumps(gold)}```</answer>"}
     math = {"image": "wide.png", "problem": "2 + 2?", "solution": "4", "task": "math"}
@@ -162,9 +169,9 @@ def test_no_pictures_when_switched_off(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
-    """`vlmexp train grpo` into a sqlite store, a completion table every step: the table's `image` column holds
-    pictures MLflow's table view shows (PNG artifacts), each the record's image with its ground-truth box green,
-    its reward and advantage beside the path, solution, task and sizes of the record."""
+    """`vlmexp train grpo` into a sqlite store, a completion table every step: the table's `image` column
+    holds pictures MLflow's table view shows (PNG artifacts), each the record's image with its ground-truth
+    box green, its reward and advantage beside the path, solution, task and sizes of the record."""
     import os
     import subprocess
     import sys
@@ -176,11 +183,12 @@ def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
 
     repo, store = Path(__file__).parents[1], f"sqlite:///{tmp_path / 'store.db'}"
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path / 'out'}", "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
-                        "grpo.args.max_steps=2", "grpo.args.save_steps=100", "grpo.args.logging_steps=1",
-                        "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
-                        "grpo.args.max_completion_length=8", f"tracking.tracking_uri={store}",
-                        "tracking.completions_every=1", "tracking.completions_per_table=3"],
+                        f"run.output_dir={tmp_path / 'out'}", "data.demo.train=16", "data.demo.val=4",
+                        *SMALL_BATCHES, "grpo.args.max_steps=2", "grpo.args.save_steps=100",
+                        "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
+                        "grpo.args.num_generations=4", "grpo.args.max_completion_length=8",
+                        f"tracking.tracking_uri={store}", "tracking.completions_every=1",
+                        "tracking.completions_per_table=3"],
                        capture_output=True, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
     assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(store)
@@ -190,13 +198,15 @@ def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
     assert len(rows) == 3
     for row in rows:
-        assert row["image"]["type"] == "image" and row["task"] == "rec" and isinstance(row["advantage"], float)
+        assert (row["image"]["type"] == "image" and row["task"] == "rec"
+                and isinstance(row["advantage"], float))
         assert row["reward"] == pytest.approx(0.25 * row["reward/format"] + row["reward/iou"])
         picture = Image.open(client.download_artifacts(run.info.run_id, row["image"]["filepath"],
                                                        str(tmp_path / "dl"))).convert("RGB")
         width, height = row["image_sizes"][0]
         scale = 256 / max(width, height)
-        assert picture.size == (round(width * scale), round(height * scale) + 18) and max(picture.size) <= MAX_SIDE
+        assert (picture.size == (round(width * scale), round(height * scale) + 18)
+                and max(picture.size) <= MAX_SIDE)
         x1, y1, _, y2 = (v * scale for v in json.loads(row["solution"]))
         assert picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
         assert Path(row["image_path"]).is_file()

@@ -45,8 +45,8 @@ def _user_world(root: Path) -> Path:
 
 def _vlmexp(*args, cwd: Path, home: Path):
     env = {**os.environ, "HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("out", [".", "notes", "link", "hidden", "data", "data/images", "..", "~"])
@@ -54,8 +54,9 @@ def test_export_refuses_a_folder_of_the_users_and_leaves_it_byte_identical(tmp_p
     user = _user_world(tmp_path / "home")
     config = user / "c.yaml"
     config.write_text(f"run:\n  output_dir: {tmp_path / 'run'}\nmodel:\n  path: {tiny_models['qwen2_5_vl']}\n"
-                      f"tracking:\n  backend: none\ndata:\n  datasets:\n    - {{json_path: {user / 'data/train.json'},"
-                      f" image_root: {user / 'data/images'}}}\n")
+                      "tracking:\n  backend: none\ndata:\n  datasets:\n"
+                      f"    - {{json_path: {user / 'data/train.json'}, "
+                      f"image_root: {user / 'data/images'}}}\n")
     before = _snapshot(user)
     r = _vlmexp("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out, cwd=user / "notes"
                 if out == ".." else user, home=user)
@@ -71,7 +72,8 @@ def test_export_into_an_empty_or_new_folder_and_again_into_its_own(tmp_path, tin
                       "tracking:\n  backend: none\ndata:\n  demo: {train: 4, val: 2}\n")
     before = _snapshot(user)
     for out in ("empty", "models/new", "models/new"):  # the third replaces the folder the second made
-        r = _vlmexp("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out, cwd=user, home=tmp_path)
+        r = _vlmexp("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out, cwd=user,
+                    home=tmp_path)
         assert r.returncode == 0, r.stderr
         assert (user / out / "manifest.json").is_file()
     assert {k: v for k, v in _snapshot(user).items() if k.split("/")[0] not in ("empty", "models")} == before
@@ -83,7 +85,8 @@ def test_a_stage_folder_of_the_users_is_refused_before_any_work(tmp_path, tiny_m
     (out / "sft" / "mine.txt").write_text("not vlmexp's")
     config = tmp_path / "c.yaml"
     config.write_text(f"run:\n  output_dir: {out}\nmodel:\n  path: {tiny_models['qwen2_5_vl']}\n"
-                      "tracking:\n  backend: none\ndata:\n  demo: {train: 4, val: 2}\ngrpo:\n  enabled: false\n")
+                      "tracking:\n  backend: none\ndata:\n  demo: {train: 4, val: 2}\ngrpo:\n"
+                      "  enabled: false\n")
     r = _vlmexp("validate", config, cwd=tmp_path, home=tmp_path)
     assert r.returncode == 2 and f"{out / 'sft'} holds files that no vlmexp stage wrote" in r.stderr, r.stderr
     assert (out / "sft" / "mine.txt").read_text() == "not vlmexp's"
@@ -108,7 +111,8 @@ def test_any_output_path_leaves_the_users_files_as_they_were(tmp_path_factory, p
     os.environ["HOME"] = str(user)
     try:
         target = Path(os.path.expanduser("/".join(parts)))
-        if check_replaceable_folder(target, protected) is None and not (target.exists() and not target.is_dir()):
+        if (check_replaceable_folder(target, protected) is None
+                and not (target.exists() and not target.is_dir())):
             with new_folder(target, replace=True) as tmp:
                 (tmp / "model.bin").write_bytes(b"weights")
     finally:

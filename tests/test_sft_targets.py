@@ -29,7 +29,8 @@ def sampled(tmp_path) -> dict[str, list[SampledRecord]]:
         "rec": write_json(tmp_path / "rec.json", [{"image": "a.png", "problem": "the red thing",
                                                    "solution": [1, 2, 30, 40]}]),
         "conversations": write_jsonl(tmp_path / "conv.jsonl", [{"image": "a.png", "conversations": [
-            {"from": "human", "value": "<image>What colour?"}, {"from": "gpt", "value": "<answer>red</answer>"}]}]),
+            {"from": "human", "value": "<image>What colour?"},
+            {"from": "gpt", "value": "<answer>red</answer>"}]}]),
         "pairs": write_jsonl(tmp_path / "pairs.jsonl", [{"image": "a.png", "question": "What colour?",
                                                          "chosen": "It is red.", "rejected": "Blue."}]),
         "easyr1": write_jsonl(tmp_path / "geo.jsonl", [{"problem": "<image>Find x.", "answer": "30",
@@ -37,22 +38,27 @@ def sampled(tmp_path) -> dict[str, list[SampledRecord]]:
     }
     out = {}
     for fmt, path in sources.items():
-        result = sample_sources([DataSource(json_path=str(path), image_root=str(tmp_path))], tmp_path / f"{fmt}.out.jsonl", 0)
+        result = sample_sources([DataSource(json_path=str(path), image_root=str(tmp_path))],
+                                tmp_path / f"{fmt}.out.jsonl", 0)
         out[fmt] = read_sampled(result.path)
     return out
 
 
 def test_targets_per_record_format(sampled):
-    assert target_text(sampled["rec"][0], FAMILY, BUDGET) == "<think>the red thing is here.</think><answer>[1, 2, 30, 40]</answer>"
+    assert target_text(sampled["rec"][0], FAMILY, BUDGET) == ("<think>the red thing is here.</think>"
+                                                              "<answer>[1, 2, 30, 40]</answer>")
     assert target_text(sampled["conversations"][0], FAMILY, BUDGET) == "<answer>red</answer>"  # as written
     assert target_text(sampled["pairs"][0], FAMILY, BUDGET) == "It is red."
     easyr1 = sampled["easyr1"][0]
-    with pytest.raises(ValueError, match=r"this record \(format 'easyr1', task 'math'\) holds only a ground-truth answer.*"
+    with pytest.raises(ValueError, match=r"this record \(format 'easyr1', task 'math'\) holds only "
+                                         r"a ground-truth answer.*"
                                          r"set sft.target_template"):
         target_text(easyr1, FAMILY, BUDGET)
     assert target_text(easyr1, FAMILY, BUDGET, TEMPLATE) == "<think>Find x.</think><answer>30</answer>"
-    assert target_text(sampled["pairs"][0], FAMILY, BUDGET, TEMPLATE) == "<think>What colour?</think><answer>It is red.</answer>"
-    assert target_text(sampled["rec"][0], FAMILY, BUDGET, TEMPLATE).endswith("<answer>[1, 2, 30, 40]</answer>")  # the box
+    assert target_text(sampled["pairs"][0], FAMILY, BUDGET, TEMPLATE) == ("<think>What colour?</think>"
+                                                                          "<answer>It is red.</answer>")
+    assert target_text(sampled["rec"][0], FAMILY, BUDGET, TEMPLATE).endswith(
+        "<answer>[1, 2, 30, 40]</answer>")  # the box
 
 
 def test_check_names_each_source_without_answer_text(sampled, tmp_path):
@@ -62,7 +68,8 @@ def test_check_names_each_source_without_answer_text(sampled, tmp_path):
         check_sft_targets(mixed, None)
     [problem] = e.value.problems
     source = sampled["easyr1"][0].source
-    assert str(problem).startswith(f"{source} row 0: sft.target_template: this record (format 'easyr1', task 'math') "
+    assert str(problem).startswith(f"{source} row 0: sft.target_template: "
+                                   "this record (format 'easyr1', task 'math') "
                                    "holds only a ground-truth answer, no answer text for SFT to imitate")
     assert "(3 such record(s) from this source)" in str(problem) and "or sft.enabled: false" in str(problem)
     check_sft_targets(mixed, TEMPLATE)  # named: nothing to refuse
@@ -92,8 +99,12 @@ def test_sft_refuses_before_any_step(tmp_path, tiny_models, sampled, capsys):
                       f"    - {{json_path: {source}, image_root: {tmp_path}}}\n")
     assert main(["train", "sft", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"{source} row 0: sft.target_template" in err and "task 'math'" in err and "set sft.target_template" in err, err
-    assert not list((tmp_path / "out").rglob("checkpoint-*")) and not (tmp_path / "out" / "sft" / "final").exists()
+    assert (f"{source} row 0: sft.target_template" in err and "task 'math'" in err
+            and "set sft.target_template" in err), err
+    assert (not list((tmp_path / "out").rglob("checkpoint-*"))
+            and not (tmp_path / "out" / "sft" / "final").exists())
     train = tmp_path / "out" / "data" / "train.jsonl"
-    rows = build_dataset(train, DataConfig(datasets=[DataSource(json_path=source)]), FAMILY, BUDGET, "sft", TEMPLATE)
-    assert rows[0]["completion"] == [{"role": "assistant", "content": "<think>Find x.</think><answer>30</answer>"}]
+    rows = build_dataset(train, DataConfig(datasets=[DataSource(json_path=source)]), FAMILY, BUDGET, "sft",
+                         TEMPLATE)
+    assert rows[0]["completion"] == [{"role": "assistant",
+                                      "content": "<think>Find x.</think><answer>30</answer>"}]

@@ -1,4 +1,5 @@
-"""Every model shape the benchmarks and shipped configs name builds, runs a forward pass with an image, and generates.
+"""Every model shape the benchmarks and shipped configs name builds, runs a forward pass with an image, and
+generates.
 
 The GPU benchmark once crashed in its first forward at Qwen2.5-VL-3B's depth (a two-entry `layer_types` left
 from the tiny model's config) while its CPU test ran only the tiny shape. Here each published shape
@@ -26,14 +27,16 @@ PUBLISHED_PARAMETERS = {"qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8_292_1
 
 def scaled(spec):
     """`spec` at CI width: real depth, head_dim, kv heads, vocabulary, mrope and vision depth/heads/blocks."""
-    return type(spec)(**{**spec.model_dump(), "num_heads": spec.num_kv_heads, "hidden_size": spec.num_kv_heads * spec.head_dim,
-                         "intermediate_size": 256, "vision_hidden_size": 256, "vision_intermediate_size": 256})
+    return type(spec)(**{**spec.model_dump(), "num_heads": spec.num_kv_heads,
+                         "hidden_size": spec.num_kv_heads * spec.head_dim, "intermediate_size": 256,
+                         "vision_hidden_size": 256, "vision_intermediate_size": 256})
 
 
 def image_batch(processor, side: int = 112):
     from PIL import Image
 
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find the circle."}]}]
+    messages = [{"role": "user",
+                 "content": [{"type": "image"}, {"type": "text", "text": "Find the circle."}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return processor(text=[text], images=[Image.new("RGB", (side, side), (200, 40, 40))], return_tensors="pt")
 
@@ -62,8 +65,10 @@ def test_published_shape_builds_at_exact_size(name):
     spec = SHAPES[name]
     config = model_config(family, spec, build_tokenizer(family, TinySpec()))
     text, vision = config.text_config, config.vision_config
-    assert text.layer_types == ["full_attention"] * spec.num_layers == ["full_attention"] * text.num_hidden_layers
-    assert text.hidden_size // text.num_attention_heads == 128 and sum(text.rope_parameters["mrope_section"]) == 64
+    assert (text.layer_types == ["full_attention"] * spec.num_layers
+            == ["full_attention"] * text.num_hidden_layers)
+    assert (text.hidden_size // text.num_attention_heads == 128
+            and sum(text.rope_parameters["mrope_section"]) == 64)
     assert vision.depth == 32 and vision.fullatt_block_indexes == [7, 15, 23, 31]
     with torch.device("meta"):
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)

@@ -1,8 +1,9 @@
-"""The source's own columns reach the rewards, as TRL passes every dataset column to reward functions: VLM-R1's
-REC JSON with its `normal_caption`, EasyR1's Hub parquet (geometry3k's `id`, `choices`, `ground_truth`) and TRL's
-messages with a column of the user's own, each built in its published layout; seen by a `module:function` reward in
-a real GRPO step, in `vlmexp eval`, in DPO's sample scoring and in evaluation's scoring. A source column named as one
-of vlmexp's own is refused at sampling, naming both and the fix."""
+"""The source's own columns reach the rewards, as TRL passes every dataset column to reward functions:
+VLM-R1's REC JSON with its `normal_caption`, EasyR1's Hub parquet (geometry3k's `id`, `choices`,
+`ground_truth`) and TRL's messages with a column of the user's own, each built in its published layout; seen
+by a `module:function` reward in a real GRPO step, in `vlmexp eval`, in DPO's sample scoring and in
+evaluation's scoring. A source column named as one of vlmexp's own is refused at sampling, naming both and the
+fix."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def expected(fmt: str, row: int) -> dict:
 
 
 def vlmr1_rec(folder: Path, n: int = 2, **more) -> Path:
-    """VLM-R1's rec_jsons_processed/refcoco_*.json: a JSON list of {image, problem, solution, normal_caption}, images by
-    COCO file name under image_root."""
+    """VLM-R1's rec_jsons_processed/refcoco_*.json: a JSON list of {image, problem, solution, normal_caption},
+    images by COCO file name under image_root."""
     rows = []
     for i in range(n):
         make_png(folder / "train2014" / f"COCO_train2014_{i:012d}.png", (64, 48), ("red", "blue")[i % 2])
-        rows.append({"image": f"COCO_train2014_{i:012d}.png", "problem": CAPTIONS[i], "solution": [4, 6, 30 + i, 40],
-                     "normal_caption": CAPTIONS[i], **{k: v[i] for k, v in more.items()}})
+        rows.append({"image": f"COCO_train2014_{i:012d}.png", "problem": CAPTIONS[i],
+                     "solution": [4, 6, 30 + i, 40], "normal_caption": CAPTIONS[i],
+                     **{k: v[i] for k, v in more.items()}})
     return write_json(folder / "refcoco_train.json", rows)
 
 
@@ -94,7 +96,8 @@ def test_sampled_records_keep_the_source_columns_and_the_digest_covers_them(sour
     columns = columns_of(records)  # a column a source lacks is None for its records, as in one TRL dataset
     assert columns["normal_caption"] == CAPTIONS + [None] * 4
     assert columns["difficulty"] == [None] * 4 + [1, 2]
-    assert columns["choices"][2] == ["1", "2", "3", "4"] and columns["id"] == [None, None, "0", "1", None, None]
+    assert (columns["choices"][2] == ["1", "2", "3", "4"]
+            and columns["id"] == [None, None, "0", "1", None, None])
     assert columns["solution"][0] == "[4.0, 6.0, 30.0, 40.0]"  # vlmexp's own columns are there as before
     # the digest covers the source's columns: another caption is other data
     changed = json.loads(Path(sources[0]["json_path"]).read_text())
@@ -106,7 +109,8 @@ def test_sampled_records_keep_the_source_columns_and_the_digest_covers_them(sour
 
 
 def test_a_file_sampled_without_the_source_columns_is_refused(sources, tmp_path):
-    """The layout before the source's columns were kept (schema 2) would hand rewards none of them: refused."""
+    """The layout before the source's columns were kept (schema 2) would hand rewards none of them:
+    refused."""
     path = sample_sources([DataSource(**sources[0])], tmp_path / "s.jsonl", 0).path
     old = [{k: v for k, v in json.loads(line).items() if k != "extra"} | {"schema": 2}
            for line in path.read_text().splitlines()]
@@ -128,7 +132,8 @@ def _seen(path: Path) -> list[dict]:
 
 
 def _assert_each_saw_its_own(seen: list[dict], records) -> None:
-    """Every row the reward received holds its record's source columns, and vlmexp's own columns beside them."""
+    """Every row the reward received holds its record's source columns, and vlmexp's own columns beside
+    them."""
     by_key = {(r.task, r.source_row): r for r in records}
     for row in seen:
         record = by_key[(row["task"], row["source_row"])]
@@ -152,9 +157,10 @@ def test_dpo_sample_scoring_and_evaluation_pass_the_source_columns(sources, tmp_
     _assert_each_saw_its_own(_seen(columns_file), records)
     assert len(_seen(columns_file)) == 12
     columns_file.unlink()
-    metrics, rows = score_records(records, ["<answer>2</answer>"] * 6, "pixels", None, [RewardSpec(name=REWARD)])
-    assert metrics["reward_rewards_for_tests.columns_seen"] == 1.0 and [r["reward_rewards_for_tests.columns_seen"]
-                                                                        for r in rows] == [1.0] * 6
+    metrics, rows = score_records(records, ["<answer>2</answer>"] * 6, "pixels", None,
+                                  [RewardSpec(name=REWARD)])
+    assert (metrics["reward_rewards_for_tests.columns_seen"] == 1.0
+            and [r["reward_rewards_for_tests.columns_seen"] for r in rows] == [1.0] * 6)
     _assert_each_saw_its_own(_seen(columns_file), records)
 
 
@@ -174,7 +180,8 @@ def test_a_source_column_named_as_one_of_vlmexps_is_refused_naming_both_and_the_
     ds = geometry3k_dataset(2).add_column("solution", ["x = 2", "x = 3"])
     ds.to_parquet(tmp_path / "g" / "train.parquet")
     with pytest.raises(DataError, match="'solution' has the name of vlmexp's reward column 'solution'"):
-        sample_sources([DataSource(json_path=str(tmp_path / "g" / "train.parquet"))], tmp_path / "c" / "s.jsonl", 0)
+        sample_sources([DataSource(json_path=str(tmp_path / "g" / "train.parquet"))],
+                       tmp_path / "c" / "s.jsonl", 0)
     # a name of the user's own in `columns` must not be vlmexp's column, nor a misspelt field
     from vlmexp.data.sources import check_source
 
@@ -193,37 +200,44 @@ def test_a_column_json_cannot_hold_is_refused_and_an_image_column_left_out(tmp_p
     ds.add_column("created", [datetime.datetime(2024, 1, i + 1) for i in range(2)]).cast_column(
         "created", Value("timestamp[s]")).to_parquet(tmp_path / "t" / "train.parquet")
     with pytest.raises(DataError) as e:
-        sample_sources([DataSource(json_path=str(tmp_path / "t" / "train.parquet"))], tmp_path / "a" / "s.jsonl", 0)
+        sample_sources([DataSource(json_path=str(tmp_path / "t" / "train.parquet"))],
+                       tmp_path / "a" / "s.jsonl", 0)
     assert "train.parquet" in str(e.value) and "created: field 'created' holds datetime" in str(e.value)
     assert "convert it to strings, numbers, lists or objects in the source" in str(e.value)
     features = Features({**ds.features, "mask": Image()})
     masked = ds.add_column("mask", [{"bytes": anchor_data.png("red"), "path": None}] * 2).cast(features)
     masked.to_parquet(tmp_path / "m" / "train.parquet")
     records = _sample(tmp_path / "b", [{"json_path": str(tmp_path / "m" / "train.parquet")}])
-    assert records[0].extra == {"choices": ["1", "2", "3", "4"], "ground_truth": "B"}  # the image column left out
+    # the image column left out
+    assert records[0].extra == {"choices": ["1", "2", "3", "4"], "ground_truth": "B"}
 
 
 @pytest.mark.slow
-def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_path, tiny_models, columns_file):
-    """A real GRPO step on the three sources at once (every prompt in the step), then `vlmexp eval` on them: the
-    `module:function` reward receives each record's own columns, and its score (1.0 where it did) is logged."""
+def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_path, tiny_models,
+                                                                 columns_file):
+    """A real GRPO step on the three sources at once (every prompt in the step), then `vlmexp eval` on them:
+    the `module:function` reward receives each record's own columns, and its score (1.0 where it did) is
+    logged."""
     from vlmexp.config.loader import load_config
     from vlmexp.train.grpo import run_grpo
 
     data = tmp_path / "data.yaml"
     data.write_text(yaml.safe_dump({"datasets": sources}))
-    overrides = [f"run.output_dir={tmp_path / 'run'}", "tracking.backend=none", f"model.path={tiny_models['qwen2_5_vl']}",
-                 "data.demo=null", f"data.data_yaml={data}", "grpo.args.max_steps=1", "grpo.args.logging_steps=1",
+    overrides = [f"run.output_dir={tmp_path / 'run'}", "tracking.backend=none",
+                 f"model.path={tiny_models['qwen2_5_vl']}", "data.demo=null", f"data.data_yaml={data}",
+                 "grpo.args.max_steps=1", "grpo.args.logging_steps=1",
                  "grpo.args.per_device_train_batch_size=12", "grpo.args.num_generations=2",
                  "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=4",
                  "eval.max_new_tokens=4", f"grpo.rewards=[{{name: '{REWARD}'}}]"]
     final = run_grpo(load_config(REPO / "configs/demo.yaml", overrides))
     records = read_sampled(tmp_path / "run" / "data" / "train.jsonl")
     seen = _seen(columns_file)
-    assert len(seen) == 12 and {(r["task"], r["source_row"]) for r in seen} == {(r.task, r.source_row) for r in records}
+    assert (len(seen) == 12
+            and {(r["task"], r["source_row"]) for r in seen} == {(r.task, r.source_row) for r in records})
     _assert_each_saw_its_own(seen, records)
     [ckpt] = (tmp_path / "run" / "grpo").glob("checkpoint-*")
-    [logged] = [h for h in json.loads((ckpt / "trainer_state.json").read_text())["log_history"] if "reward" in h]
+    [logged] = [h for h in json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+                if "reward" in h]
     assert logged[f"rewards/{REWARD}/mean"] == 1.0
 
     columns_file.unlink()
@@ -231,8 +245,9 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
     config.write_text((REPO / "configs/demo.yaml").read_text())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "eval", str(final), "--config", str(config),
-                        "--records", str(tmp_path / "run" / "data" / "train.jsonl"), "--out", str(tmp_path / "eval"),
-                        *overrides[1:]], capture_output=True, text=True, cwd=REPO, env=env, check=False)
+                        "--records", str(tmp_path / "run" / "data" / "train.jsonl"), "--out",
+                        str(tmp_path / "eval"), *overrides[1:]], capture_output=True, text=True, cwd=REPO,
+                       env=env, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads(r.stdout[r.stdout.index("{"):])
     assert metrics["count"] == 6 and metrics["reward_rewards_for_tests.columns_seen"] == 1.0
@@ -242,18 +257,20 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
 
 
 def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_path):
-    """GRPO's dataset is Arrow, as TRL's: one source's `difficulty: 1` and another's `difficulty: "hard"` cannot be one
-    column; refused naming it, before any model loads."""
+    """GRPO's dataset is Arrow, as TRL's: one source's `difficulty: 1` and another's `difficulty: "hard"`
+    cannot be one column; refused naming it, before any model loads."""
     from vlmexp.config.loader import load_config
     from vlmexp.families import get_family
     from vlmexp.train.data import build_dataset
 
     entries = [{"json_path": str(vlmr1_rec(tmp_path / name, difficulty=values)),
-                "image_root": str(tmp_path / name / "train2014")} for name, values in (("a", [1, 2]), ("b", ["hard"] * 2))]
+                "image_root": str(tmp_path / name / "train2014")}
+               for name, values in (("a", [1, 2]), ("b", ["hard"] * 2))]
     path = sample_sources([DataSource(**e) for e in entries], tmp_path / "s.jsonl", 0).path
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
-    with pytest.raises(DataError, match="difficulty: the source column 'difficulty' holds values of different types "
-                                        r"across records \(int, str"):
+    with pytest.raises(DataError,
+                       match="difficulty: the source column 'difficulty' holds values of different types "
+                             r"across records \(int, str"):
         build_dataset(path, cfg.data, get_family("qwen2_5_vl"), None, "grpo")
     rows = build_dataset(sample_sources([DataSource(**entries[0])], tmp_path / "one.jsonl", 0).path, cfg.data,
                          get_family("qwen2_5_vl"), None, "grpo")
@@ -261,13 +278,14 @@ def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_p
 
 
 def test_vlmexp_score_reads_a_predictions_line_with_the_source_columns(sources, tmp_path):
-    """`vlmexp score`: each line a data record with the model's output as `completion`; the record's own columns
-    travel with it to the rewards, the output does not."""
+    """`vlmexp score`: each line a data record with the model's output as `completion`; the record's own
+    columns travel with it to the rewards, the output does not."""
     from vlmexp.evaluate import read_predictions
 
     rows = json.loads(Path(sources[0]["json_path"]).read_text())
     preds = tmp_path / "predictions.jsonl"
-    preds.write_text("".join(json.dumps({**r, "completion": "<answer>[4, 6, 30, 40]</answer>"}) + "\n" for r in rows))
+    preds.write_text("".join(json.dumps({**r, "completion": "<answer>[4, 6, 30, 40]</answer>"}) + "\n"
+                             for r in rows))
     records, completions = read_predictions(preds, sources[0]["image_root"])
     assert [r.extra for r in records] == [{"normal_caption": c} for c in CAPTIONS]
     assert completions == ["<answer>[4, 6, 30, 40]</answer>"] * 2

@@ -23,9 +23,11 @@ from tests.conftest import SMALL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=40", "sft.args.save_steps=2",
-             "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.args.max_steps=2", "grpo.args.num_generations=4",
-             "grpo.args.max_completion_length=12", "eval.max_new_tokens=12", "pipeline.retry_delay_seconds=1"]
-LAUNCHERS = {"torchrun": ["launch.launcher=torchrun", "launch.nproc_per_node=2"], "local": ["launch.launcher=local"]}
+             "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.args.max_steps=2",
+             "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "eval.max_new_tokens=12",
+             "pipeline.retry_delay_seconds=1"]
+LAUNCHERS = {"torchrun": ["launch.launcher=torchrun", "launch.nproc_per_node=2"],
+             "local": ["launch.launcher=local"]}
 
 # the run's flow runs, read through Prefect's API: a temporary server on the run's database (its own is gone)
 FLOW_RUNS = textwrap.dedent("""
@@ -39,12 +41,13 @@ FLOW_RUNS = textwrap.dedent("""
 
 
 class Run:
-    """`vlmexp run` on the demo config with small overrides, in a process group of its own (as a terminal's job)."""
+    """`vlmexp run` on the demo config with small overrides, in a process group of its own (as a terminal's
+    job)."""
 
     def __init__(self, tmp_path: Path, launcher: str):
         self.out, self.tmp = tmp_path / "out", tmp_path
-        self.cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={self.out}",
-                    *SMALL_RUN, *LAUNCHERS[launcher]]
+        self.cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml",
+                    f"run.output_dir={self.out}", *SMALL_RUN, *LAUNCHERS[launcher]]
         self.env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
                     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
         self.env.pop("PREFECT_API_URL", None)
@@ -154,10 +157,12 @@ NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIG
 @pytest.mark.parametrize("launcher, sig, to_group, resumed", STOPS,
                          ids=[f"{launcher}-{sig.name}-to-the-{'group' if group else 'main-process'}"
                               for launcher, sig, group, _ in STOPS])
-def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, launcher, sig, to_group, resumed):
-    """One signal: the run exits with 128 + the signal within 30 s, nothing of it left running (torchrun's workers
-    in their own sessions included), SFT started once and never retried, its MLflow runs KILLED, its flow run
-    Cancelled; the same command again resumes SFT from its checkpoint and finishes (checked once per launcher)."""
+def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, launcher, sig, to_group,
+                                                                   resumed):
+    """One signal: the run exits with 128 + the signal within 30 s, nothing of it left running (torchrun's
+    workers in their own sessions included), SFT started once and never retried, its MLflow runs KILLED, its
+    flow run Cancelled; the same command again resumes SFT from its checkpoint and finishes (checked once per
+    launcher)."""
     run = Run(tmp_path, launcher)
     first = run.start("first")
     _wait_for_checkpoint(run, first)

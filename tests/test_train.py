@@ -26,7 +26,8 @@ def _weights(folder: Path) -> dict:
 
 def _cfg(tmp_path, *overrides):
     return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "tracking.backend=none",
-                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, *overrides])
+                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
+                                                    *overrides])
 
 
 def _deprecations(caught: list) -> list[str]:
@@ -79,7 +80,8 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
     cfg = _cfg(tmp_path, "grpo.args.max_steps=3", "grpo.args.save_steps=3", "grpo.args.logging_steps=1",
                "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
                "grpo.args.max_completion_length=12", "grpo.args.temperature=1.5",
-               "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, {name: 'rewards_for_tests:char_variety'}, "
+               "grpo.rewards=[{name: format, weight: 0.5}, {name: iou}, "
+               "{name: 'rewards_for_tests:char_variety'}, "
                "{name: 'rewards_for_tests:sometimes_broken'}]")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,11 +111,14 @@ def test_train_cli_runs_a_stage_without_mlflow(tmp_path):
     on a GPU machine without it; where it is installed, TRL and DeepSpeed import it themselves)."""
     hide = tmp_path / "hide"
     hide.mkdir()
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # import mlflow fails\n")
+    (hide / "sitecustomize.py").write_text("import sys\n"
+                                           "sys.modules['mlflow'] = None  # import mlflow fails\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(REPO)])}
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", str(REPO / "configs/demo.yaml"),
-                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=8", "data.demo.val=2",
-                        "sft.args.max_steps=2", "sft.args.save_steps=2"], capture_output=True, text=True, cwd=REPO, env=env)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
+                        str(REPO / "configs/demo.yaml"), f"run.output_dir={tmp_path}",
+                        "tracking.backend=none", "data.demo.train=8", "data.demo.val=2",
+                        "sft.args.max_steps=2", "sft.args.save_steps=2"],
+                       capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").is_file()
@@ -129,9 +134,10 @@ def test_a_stage_run_by_hand_logs_to_the_configured_store(tmp_path):
     store, cwd = f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "cwd"
     cwd.mkdir()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", str(REPO / "configs/demo.yaml"),
-                        f"run.output_dir={tmp_path / 'out'}", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
-                        "data.demo.train=8", "data.demo.val=2", "sft.args.max_steps=2", "sft.args.save_steps=2",
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
+                        str(REPO / "configs/demo.yaml"), f"run.output_dir={tmp_path / 'out'}",
+                        "tracking.backend=mlflow", f"tracking.tracking_uri={store}", "data.demo.train=8",
+                        "data.demo.val=2", "sft.args.max_steps=2", "sft.args.save_steps=2",
                         "sft.args.logging_steps=1", "tracking.system_metrics=false"],
                        capture_output=True, text=True, cwd=cwd, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -140,7 +146,8 @@ def test_a_stage_run_by_hand_logs_to_the_configured_store(tmp_path):
     [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
     assert run.info.run_name == "demo-sft" and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
-    assert not [k for k in run.data.metrics if k.startswith("system/")]  # switched off (on: tests/test_flow.py)
+    # switched off (on: tests/test_flow.py)
+    assert not [k for k in run.data.metrics if k.startswith("system/")]
 
 
 def test_a_stage_samples_only_when_the_files_are_not_what_the_config_asks_for(tmp_path, monkeypatch):

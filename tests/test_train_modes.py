@@ -1,4 +1,5 @@
-"""LoRA, freezing, starting GRPO from an SFT adapter, the reference model, resume, and bad-hardware refusals."""
+"""LoRA, freezing, starting GRPO from an SFT adapter, the reference model, resume, and bad-hardware
+refusals."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
 
 def _cfg(out, *overrides):
     return load_config(REPO / "configs/demo.yaml", [f"run.output_dir={out}", "tracking.backend=none",
-                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, *overrides])
+                                                    "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
+                                                    *overrides])
 
 
 GRPO_SMALL = ["grpo.args.max_steps=2", "grpo.args.save_steps=2", "grpo.args.logging_steps=1",
@@ -67,7 +69,8 @@ def test_lora_sft_then_grpo_continues_the_adapter_against_it_as_reference(tmp_pa
 
     seen = Observe()
     sft = run_sft(_cfg(tmp_path, "sft.args.max_steps=3", "sft.args.save_steps=3", "sft.peft={r: 8}"), [seen])
-    assert seen.trainable and all("lora_" in n and "language_model" in n for n in seen.trainable), seen.trainable
+    assert seen.trainable and all("lora_" in n and "language_model" in n
+                                  for n in seen.trainable), seen.trainable
     adapter = _tensors(sft / "adapter_model.safetensors")
     assert not any("visual" in k for k in adapter)
     assert any(k.endswith(f"{proj}.lora_A.weight") for k in adapter for proj in ("q_proj", "down_proj"))
@@ -89,7 +92,8 @@ def test_grpo_merges_an_sft_adapter_and_trains_a_new_one(tmp_path):
 
     sft = run_sft(_cfg(tmp_path, "sft.args.max_steps=2", "sft.args.save_steps=2", "sft.peft={r: 8}"))
     seen = Observe()
-    final = run_grpo(_cfg(tmp_path / "g", *GRPO_SMALL, "grpo.args.beta=0.04", "grpo.peft={r: 4}"), str(sft), [seen])
+    final = run_grpo(_cfg(tmp_path / "g", *GRPO_SMALL, "grpo.args.beta=0.04", "grpo.peft={r: 4}"), str(sft),
+                     [seen])
     merged = tmp_path / "g" / "grpo" / "start-merged"
     assert (merged / "model.safetensors").is_file()
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(merged)

@@ -51,7 +51,8 @@ def after_think(text: str) -> str:
 
 
 def answer_text(text: str, tag: str = "answer", last: bool = True, dotall: bool = True) -> str:
-    """VLM-R1's answer reading: the first or last <tag> content, else the whole text (after the last </think>)."""
+    """VLM-R1's answer reading: the first or last <tag> content, else the whole text (after the last
+    </think>)."""
     found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL if dotall else 0)
     if found:
         return (found[-1] if last else found[0]).strip()
@@ -59,8 +60,8 @@ def answer_text(text: str, tag: str = "answer", last: bool = True, dotall: bool 
 
 
 def clean_text(text: str, tag: str = "answer") -> str:
-    """VLM-R1's `clean_text`: the last <answer> content (else the text), newlines to spaces, stripped, a final '.'
-    removed, lower case."""
+    """VLM-R1's `clean_text`: the last <answer> content (else the text), newlines to spaces, stripped, a final
+    '.' removed, lower case."""
     found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
     text = found[-1] if found else after_think(text)
     for char in ("\n", "\r"):
@@ -103,7 +104,8 @@ def extract_yes_no(text: str) -> str | None:
 
 
 def gold_answer(solution: str, tag: str = "answer") -> str:
-    """The ground truth of a solution: its first <tag> content (one line, as VLM-R1 reads it), else the solution."""
+    """The ground truth of a solution: its first <tag> content (one line, as VLM-R1 reads it), else the
+    solution."""
     found = re.search(rf"<{tag}>(.*?)</{tag}>", solution)
     return found.group(1).strip() if found else solution.strip()
 
@@ -132,10 +134,10 @@ def exact_match(answer: str, gold: str) -> bool:
 
 
 def levenshtein_ratio(a: str, b: str) -> float:
-    """python-Levenshtein's `ratio` (what VLM-R1 imports as `from Levenshtein import ratio`): 1 - the insertions and
-    deletions that turn `a` into `b`, over len(a) + len(b); that is 2 x the longest common subsequence / (len(a) +
-    len(b)), 1.0 for two empty strings. The subsequence is counted bit-parallel (Hyyro's algorithm, as rapidfuzz's
-    `LCSseq` does), one big-integer step per character of `b`."""
+    """python-Levenshtein's `ratio` (what VLM-R1 imports as `from Levenshtein import ratio`): 1 - the
+    insertions and deletions that turn `a` into `b`, over len(a) + len(b); that is 2 x the longest common
+    subsequence / (len(a) + len(b)), 1.0 for two empty strings. The subsequence is counted bit-parallel
+    (Hyyro's algorithm, as rapidfuzz's `LCSseq` does), one big-integer step per character of `b`."""
     total = len(a) + len(b)
     if not total:
         return 1.0
@@ -160,11 +162,12 @@ def _number(text: str) -> float | None:
 
 
 def vlm_r1_default(text: str, solution: str, tag: str = "answer") -> float | None:
-    """VLM-R1's `default_accuracy_reward` (grpo_jsonl.py): the last <answer> (else the whole completion) against the
-    solution's first one. 1.0 when math-verify finds them equal; else, when the solution holds a digit, 1.0 / 0.0
-    for two numbers (`numeric_reward`) and the Levenshtein ratio of the cleaned texts otherwise; when it names an
-    option letter, 1.0 / 0.0 for the letter the answer names (None when it names none: unparsable, scored 0 as
-    VLM-R1 does, and counted); else the Levenshtein ratio of the cleaned texts (partial credit)."""
+    """VLM-R1's `default_accuracy_reward` (grpo_jsonl.py): the last <answer> (else the whole completion)
+    against the solution's first one. 1.0 when math-verify finds them equal; else, when the solution holds a
+    digit, 1.0 / 0.0 for two numbers (`numeric_reward`) and the Levenshtein ratio of the cleaned texts
+    otherwise; when it names an option letter, 1.0 / 0.0 for the letter the answer names (None when it names
+    none: unparsable, scored 0 as VLM-R1 does, and counted); else the Levenshtein ratio of the cleaned texts
+    (partial credit)."""
     from math_verify import parse, verify
 
     gold, answer = gold_answer(solution, tag), answer_text(text, tag)

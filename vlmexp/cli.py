@@ -18,7 +18,8 @@ from vlmexp.families.qwen import RELEASED_PIXELS
 
 def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> None:
     """Refuse the command's own arguments before any work: (option, value, problem or None) each."""
-    problems = [Problem(f"vlmexp {command}", option, message, value) for option, value, message in checks if message]
+    problems = [Problem(f"vlmexp {command}", option, message, value) for option, value, message in checks
+                if message]
     if problems:
         raise VlmexpError(problems, title=f"invalid arguments to vlmexp {command}")
 
@@ -52,13 +53,15 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
         scenes = Scenes(tuple(args.width), tuple(args.height), tuple(args.objects), args.background)
     except ValueError as e:
         raise VlmexpError([Problem("make-demo-data", "--width/--height/--objects",
-                                   f"{e}; give LOW HIGH with 0 < LOW <= HIGH, images at least 64 pixels a side")]) from e
+                                   f"{e}; give LOW HIGH with 0 < LOW <= HIGH, "
+                                   "images at least 64 pixels a side")]) from e
     try:
         annotator = Annotator(jitter=args.annotator_jitter, loose=args.annotator_loose)
     except ValueError as e:
         raise VlmexpError([Problem("make-demo-data", "--annotator-jitter/--annotator-loose",
                                    f"{e}; 0 0 writes the exact boxes only")]) from e
-    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes, annotator=annotator)
+    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes,
+                         annotator=annotator)
     print(f"wrote {args.train} train and {args.val} val records to {out} (data YAMLs: train.yaml, val.yaml)")
     return 0
 
@@ -91,10 +94,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import vlm_pipeline
     from flows.temporary_server import temporary_server
 
-    # without a PREFECT_API_URL, a temporary server that a terminal's Ctrl-C does not reach: the flow can still
-    # record the stop, and its last logs and events are sent before the server stops
+    # without a PREFECT_API_URL, a temporary server that a terminal's Ctrl-C does not reach: the flow can
+    # still record the stop, and its last logs and events are sent before the server stops
     with temporary_server():
-        state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force, return_state=True)
+        state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force,
+                             return_state=True)
     if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
         raise KeyboardInterrupt(state.message)
     print(state.result().summary)
@@ -102,7 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_prefect_setup(args: argparse.Namespace) -> int:
-    """Create or update vlmexp's automations on the Prefect server at PREFECT_API_URL (flows/automations.py)."""
+    """Create or update vlmexp's automations on the Prefect server at PREFECT_API_URL
+    (flows/automations.py)."""
     from flows.automations import set_up
 
     try:
@@ -133,7 +138,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_sampled_records(args.records)
     records = args.records or prepare_data(cfg).val
     if records is None:
-        raise VlmexpError([Problem(args.config, "data.val_datasets", "no held-out records: set data.val_datasets, "
+        raise VlmexpError([Problem(args.config, "data.val_datasets",
+                                   "no held-out records: set data.val_datasets, "
                                    "data.val_data_yaml or data.val_fraction, or pass --records FILE.jsonl")])
     out = args.out or str(Path(cfg.run.output_dir) / "eval" / Path(args.checkpoint).name)
     result = evaluate(cfg, args.checkpoint, records, out)
@@ -151,16 +157,18 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     knobs = {k: getattr(args, k) for k in BUDGET_KNOBS if getattr(args, k) is not None}
     root = args.image_root
-    check_arguments("score", *_budget_problems(get_family(args.family), knobs), ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
-                    ("--image-root", root, root and not Path(root).is_dir() and "no such folder; fix the path"))
+    check_arguments("score", *_budget_problems(get_family(args.family), knobs),
+                    ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
+                    ("--image-root", root,
+                     root and not Path(root).is_dir() and "no such folder; fix the path"))
     check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
     cfg = None
     if args.config:
         from vlmexp.config.loader import load_config
 
         cfg = load_config(args.config, [])
-    metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root, args.prefilled_think,
-                                      args.math_grader, cfg)
+    metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root,
+                                      args.prefilled_think, args.math_grader, cfg)
     if args.per_sample:
         atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     print(json.dumps(metrics, indent=2))
@@ -172,8 +180,8 @@ def _budget_problems(family, knobs: dict[str, int]) -> list[tuple[str, object, s
     def option(knob: str) -> str:
         return "--" + knob.replace("_", "-")
 
-    problems = [(option(k), v, "must be a positive number" if v <= 0 else None if k in family.budget_knobs else
-                 f"does not apply to {family.name} ({family.budget_summary}); use "
+    problems = [(option(k), v, "must be a positive number" if v <= 0 else None if k in family.budget_knobs
+                 else f"does not apply to {family.name} ({family.budget_summary}); use "
                  f"{' / '.join(option(b) for b in family.budget_knobs)}") for k, v in knobs.items()]
     for low, high in (("min_pixels", "max_pixels"), ("min_patches", "max_patches")):
         if knobs.get(low, 0) > knobs.get(high, float("inf")):
@@ -209,7 +217,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(cfg.run.output_dir) / "export").expanduser()
     file = out.exists() and not out.is_dir() and f"{out} is a file, not a folder; choose another path"
     check_arguments("export", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
-                    ("--out", str(out), file or check_output_dir(out.parent)  # replaced as a whole, from beside
+                    # replaced as a whole, from beside
+                    ("--out", str(out), file or check_output_dir(out.parent)
                      or check_replaceable_folder(out, data_paths(cfg, args.checkpoint))))
     with tempfile.TemporaryDirectory() as tmp:
         resolved = dump_config(cfg, Path(tmp) / "config.resolved.yaml")
@@ -258,8 +267,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       import_rewards=not (args.dry_run or validated))
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
-    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides, run_id=cfg.run.name,
-                            mlflow_run_id=args.mlflow_run_id)
+    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
+                            run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id)
     if args.dry_run:
         print(shlex.join(command))
         return 0
@@ -307,10 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmexp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="check a config (schema, names, TRL args, reward imports, paths); exit 0 or 2")
+    p = sub.add_parser("validate",
+                       help="check a config (schema, names, TRL args, reward imports, paths); exit 0 or 2")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.args.learning_rate=1e-6")
-    p.add_argument("--no-check-paths", action="store_true", help="skip the path checks (the rest is still checked)")
+    p.add_argument("--no-check-paths", action="store_true",
+                   help="skip the path checks (the rest is still checked)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("make-tiny-model", help="write a tiny random-weight model of a family (offline)")
@@ -326,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=int, default=demo.train)
     p.add_argument("--val", type=int, default=demo.val)
     p.add_argument("--seed", type=int, default=demo.seed)
-    p.add_argument("--width", type=int, nargs=2, default=demo.width, metavar=("LOW", "HIGH"), help="image widths")
+    p.add_argument("--width", type=int, nargs=2, default=demo.width, metavar=("LOW", "HIGH"),
+                   help="image widths")
     p.add_argument("--height", type=int, nargs=2, default=demo.height, metavar=("LOW", "HIGH"),
                    help="image heights")
     p.add_argument("--objects", type=int, nargs=2, default=demo.objects, metavar=("LOW", "HIGH"),
@@ -345,9 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--explain", action="store_true",
-                   help="also print which format each source was read as and why (the fields that decided it)")
+                   help="also print which format each source was read as and why "
+                        "(the fields that decided it)")
     p.add_argument("--judged", action="store_true",
-                   help="keep records of accu_reward_method llm: the config that trains on them has a judge reward")
+                   help="keep records of accu_reward_method llm: the config that trains on them "
+                        "has a judge reward")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")
@@ -357,9 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("prefect-setup", help="create or update vlmexp's automations on the Prefect server at "
-                                             "PREFECT_API_URL: zombie-run detection, and notifications with --notify")
-    p.add_argument("--notify", metavar="TYPE/NAME", default=None, help="a notification block on the server (e.g. "
-                   "slack-webhook/ops) to tell of failed or lost pipeline runs and of a new champion")
+                                             "PREFECT_API_URL: zombie-run detection, "
+                                             "and notifications with --notify")
+    p.add_argument("--notify", metavar="TYPE/NAME", default=None, help="a notification block on the server "
+                   "(e.g. slack-webhook/ops) to tell of failed or lost pipeline runs and of a new champion")
     p.add_argument("--heartbeat-seconds", type=int, default=None, help="the workers' "
                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY, if not this process's (default 180)")
     p.set_defaults(func=cmd_prefect_setup)
@@ -368,27 +383,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--config", required=True)
     p.add_argument("--records", help="sampled JSONL to evaluate on (default: the config's held-out split)")
-    p.add_argument("--out", help="folder for metrics.json, samples.jsonl and pictures/ (the first eval.pictures "
-                   "records with their boxes)")
+    p.add_argument("--out", help="folder for metrics.json, samples.jsonl and pictures/ "
+                   "(the first eval.pictures records with their boxes)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("score", help="score a predictions JSONL (data records + `completion`) from any system")
-    p.add_argument("predictions", help="JSONL: one data record per line (any format `sample` reads) plus `completion`")
+    p = sub.add_parser("score",
+                       help="score a predictions JSONL (data records + `completion`) from any system")
+    p.add_argument("predictions",
+                   help="JSONL: one data record per line (any format `sample` reads) plus `completion`")
     p.add_argument("--family", required=True, choices=list(FAMILIES), help="the box frame of the completions")
     p.add_argument("--min-pixels", type=int,
-                   help=f"Qwen-VL: image processor min_pixels (default: released checkpoints', {RELEASED_PIXELS[0]})")
+                   help="Qwen-VL: image processor min_pixels (default: released checkpoints', "
+                        f"{RELEASED_PIXELS[0]})")
     p.add_argument("--max-pixels", type=int,
-                   help=f"Qwen-VL: image processor max_pixels (default: released checkpoints', {RELEASED_PIXELS[1]})")
-    p.add_argument("--min-patches", type=int, help="InternVL: fewest tiles per image (default: released checkpoints', 1)")
-    p.add_argument("--max-patches", type=int, help="InternVL: most tiles per image (default: released checkpoints', 12)")
-    p.add_argument("--image-root", help="folder relative image paths resolve against (default: the file's folder)")
+                   help="Qwen-VL: image processor max_pixels (default: released checkpoints', "
+                        f"{RELEASED_PIXELS[1]})")
+    p.add_argument("--min-patches", type=int,
+                   help="InternVL: fewest tiles per image (default: released checkpoints', 1)")
+    p.add_argument("--max-patches", type=int,
+                   help="InternVL: most tiles per image (default: released checkpoints', 12)")
+    p.add_argument("--image-root",
+                   help="folder relative image paths resolve against (default: the file's folder)")
     p.add_argument("--per-sample", help="write each line's parsed answer and score to this JSONL")
     p.add_argument("--math-grader", choices=["math_verify", "mathruler"],
-                   help="grader of math answers (default math_verify; mathruler is EasyR1's, vlmexp[mathruler])")
+                   help="grader of math answers (default math_verify; mathruler is EasyR1's, "
+                        "vlmexp[mathruler])")
     p.add_argument("--prefilled-think", action="store_true",
-                   help="the completions begin inside a <think> block the chat template opened (Qwen3-VL Thinking)")
-    p.add_argument("--config", help="score with this config's grpo.rewards (a judge, a reward model) and its prompts")
+                   help="the completions begin inside a <think> block the chat template opened "
+                        "(Qwen3-VL Thinking)")
+    p.add_argument("--config",
+                   help="score with this config's grpo.rewards (a judge, a reward model) and its prompts")
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("export", help="merge a LoRA adapter (if any) and write a self-contained model folder")
@@ -412,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")
     p.add_argument("--in-process", action="store_true",
                    help="train in this process, ignoring launch.launcher (each launched process gets it)")
-    p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store (the pipeline passes its "
-                                           "stage run); default: a new run")
+    p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store "
+                                           "(the pipeline passes its stage run); default: a new run")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_train)
 

@@ -33,8 +33,8 @@ Box = list[float]
 Found = list[tuple[Box, str]]  # (box in original pixels, label) per object
 AP_THRESHOLDS = tuple(0.5 + 0.05 * i for i in range(10))  # COCO's .50:.05:.95
 _FENCE = re.compile(r"```json(.*?)```", re.DOTALL)
-SOLUTION_HINT = ('write <answer>```json [{"bbox_2d": [x1, y1, x2, y2], "label": "..."}]```</answer> in original '
-                 'pixels, or <answer>None</answer> when there is nothing to find')
+SOLUTION_HINT = ('write <answer>```json [{"bbox_2d": [x1, y1, x2, y2], "label": "..."}]```</answer> in '
+                 'original pixels, or <answer>None</answer> when there is nothing to find')
 
 
 class Unreadable(ValueError):
@@ -57,14 +57,15 @@ def read_objects(items: Any, lower: bool = False, strict: bool = False) -> Found
         box = item.get("bbox_2d") if isinstance(item, dict) else None
         label = item.get("label") if isinstance(item, dict) else None
         ok = (isinstance(box, list) and len(box) == 4 and isinstance(label, str)
-              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box))
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      for v in box))
         if ok and strict and not (box[0] < box[2] and box[1] < box[3]):
             raise ValueError(f"box {box} of {label!r} is inverted or empty (needs x1 < x2 and y1 < y2)")
         if ok:
             out.append(([float(v) for v in box], label.lower() if lower else label))
         elif strict:
-            raise ValueError(f"item {str(item)[:80]} is not {{\"bbox_2d\": [x1, y1, x2, y2], \"label\": \"...\"}}; "
-                             f"{SOLUTION_HINT}")
+            raise ValueError(f"item {str(item)[:80]} is not {{\"bbox_2d\": [x1, y1, x2, y2], \"label\": "
+                             f"\"...\"}}; {SOLUTION_HINT}")
     return out
 
 
@@ -219,5 +220,6 @@ def weighted_score(predicted: Found, gold: Found, unreadable: int = 0, iou_thres
         free_g.remove(bg)
     position = sum(m[0] for m in matches) / len(gold)
     label = sum(m[1] for m in matches) / len(gold)
-    completeness = 1.0 - (len(free_g) / len(gold) + (len(free_p) + unreadable) / (len(predicted) + unreadable)) / 2
+    completeness = 1.0 - (len(free_g) / len(gold)
+                          + (len(free_p) + unreadable) / (len(predicted) + unreadable)) / 2
     return (alpha * position + beta * label + gamma * completeness) / (alpha + beta + gamma)

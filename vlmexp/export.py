@@ -41,10 +41,12 @@ def export_model(cfg: Config, model_path: str, out_dir: str | Path, manifest: di
             processor.save_pretrained(str(tmp))
         full = {"source": str(model_path), "merged_lora": base is not None and cfg.export.merge_lora,
                 "adapter_base": base, **manifest}
-        full["registration"] = plan_registration(cfg.export, tmp)  # copy or reference (vlmexp/tracking/registration.py)
+        # copy or reference (vlmexp/tracking/registration.py)
+        full["registration"] = plan_registration(cfg.export, tmp)
         if resolved_config:
             full["config_sha256"] = hashlib.sha256(Path(resolved_config).read_bytes()).hexdigest()
-            (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))  # it travels with the model
+            # it travels with the model
+            (tmp / "vlmexp_config.yaml").write_text(redacted_yaml(resolved_config))
         (tmp / "manifest.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
     return out
 
@@ -63,11 +65,12 @@ def beats(value: float | None, champion_value: float | None, direction: str) -> 
 
 def register_and_promote(tracker, run_id: str, folder: str | Path, name: str, metric: str,
                          value: float | None, direction: str, *, registration: dict[str, Any],
-                         metrics: dict[str, Any] | None = None, dataset: str | Path | None = None) -> Promotion:
+                         metrics: dict[str, Any] | None = None,
+                         dataset: str | Path | None = None) -> Promotion:
     """Register `folder` as a new version of `name`, by copy or by reference as `registration` (the export
-    manifest's plan, `vlmexp.tracking.registration`) says; give it the champion alias only if it beats the current
-    champion on `metric` (the value is stored on each version as tag `metric.<metric>`). The folder is a logged
-    model of `run_id` holding its evaluation `metrics` (on the `dataset` manifest's data)."""
+    manifest's plan, `vlmexp.tracking.registration`) says; give it the champion alias only if it beats the
+    current champion on `metric` (the value is stored on each version as tag `metric.<metric>`). The folder is
+    a logged model of `run_id` holding its evaluation `metrics` (on the `dataset` manifest's data)."""
     tags = {"metric_name": metric, "direction": direction, "mlflow_run_id": run_id,
             "registration": registration["mode"]}
     if value is not None:

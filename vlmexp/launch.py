@@ -24,7 +24,8 @@ def _tool(name: str) -> str:
 
 
 def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: str | None = None,
-                  overrides: Sequence[str] = (), run_id: str = "vlmexp", mlflow_run_id: str | None = None) -> list[str]:
+                  overrides: Sequence[str] = (), run_id: str = "vlmexp",
+                  mlflow_run_id: str | None = None) -> list[str]:
     """The argv that runs `stage` with `config` under `launch` (`run_id` names the rendezvous; `mlflow_run_id`
     is the MLflow run the stage logs into, else it starts its own in the config's store)."""
     inner = ["vlmexp.cli", "train", stage, "--config", str(config), "--in-process",
@@ -50,7 +51,8 @@ def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: s
             cmd += ["--multi_gpu"]
         if nodes > 1:
             host, _, port = launch.rdzv_endpoint.rpartition(":")
-            cmd += [f"--machine_rank={launch.node_rank}", f"--main_process_ip={host}", f"--main_process_port={port}"]
+            cmd += [f"--machine_rank={launch.node_rank}", f"--main_process_ip={host}",
+                    f"--main_process_port={port}"]
         return [*cmd, "-m", *inner]
     # deepspeed
     cmd = [_tool("deepspeed")]

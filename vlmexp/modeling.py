@@ -67,7 +67,8 @@ def check_hardware(stage_cfg: StageConfig, stage: str) -> None:
     if stage_cfg.peft is None or stage_cfg.peft.method != "qlora":
         return
     if not torch.cuda.is_available():
-        raise ConfigError(Problem(f"{stage}.peft.method", "", "QLoRA loads the base in 4 bits with bitsandbytes, "
+        raise ConfigError(Problem(f"{stage}.peft.method", "",
+                                  "QLoRA loads the base in 4 bits with bitsandbytes, "
                                   "which needs a CUDA GPU; on this machine use method: lora", "qlora"))
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(Problem(f"{stage}.peft.method", "", "QLoRA needs bitsandbytes: "
@@ -85,7 +86,8 @@ def load_pretrained(cfg: Config, model_path: str, family: Family, quantize_4bit:
         extra["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
-            llm_int8_skip_modules=[family.vision_module.strip("."), family.projector_module.strip("."), "lm_head"])
+            llm_int8_skip_modules=[family.vision_module.strip("."), family.projector_module.strip("."),
+                                   "lm_head"])
     return getattr(transformers, family.model_class).from_pretrained(
         model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code, **extra,
@@ -109,7 +111,8 @@ def merged_start(cfg: Config, adapter: str, family: Family, processor: Any, stag
         if not (target / "config.json").is_file():
             base = load_pretrained(cfg, adapter_base(adapter), family)
             merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-            with new_folder(target, replace=True) as tmp:  # replace: a folder without config.json is a leftover
+            # replace: a folder without config.json is a leftover
+            with new_folder(target, replace=True) as tmp:
                 merged.save_pretrained(str(tmp), is_main_process=True)
                 processor.save_pretrained(str(tmp))
             log.info("merged adapter %s into %s", adapter, target)
@@ -150,7 +153,8 @@ def load_for_training(cfg: Config, stage_cfg: StageConfig, path: str, family: Fa
 
 
 def freeze(model, family: Family, vision: bool, merger: bool) -> int:
-    """Stop gradients to the vision tower and/or the merger (projector); return the number of tensors frozen."""
+    """Stop gradients to the vision tower and/or the merger (projector); return the number of tensors
+    frozen."""
     n = 0
     for name, param in model.named_parameters():
         part = family.vision_part(name)
@@ -172,17 +176,17 @@ def lora_config(stage_cfg: StageConfig):
 
 
 def vision_token_ids(processor, family: Family) -> list[int]:
-    """Ids of the family's vision placeholder tokens. A completion must never contain them: Qwen-VL's rope index
-    counts them as image positions, InternVL puts image features there, and the policy's forward pass fails with
-    a shape mismatch."""
+    """Ids of the family's vision placeholder tokens. A completion must never contain them: Qwen-VL's rope
+    index counts them as image positions, InternVL puts image features there, and the policy's forward pass
+    fails with a shape mismatch."""
     tok = processor.tokenizer
     ids = [tok.convert_tokens_to_ids(t) for t in family.vision_tokens]
     return [i for i in ids if i is not None and i != tok.unk_token_id]
 
 
 def load_for_inference(cfg: Config, model_path: str):
-    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed), on this
-    process's GPU when there is one."""
+    """(model, processor, family) from a full model folder or a LoRA adapter folder (merged for speed), on
+    this process's GPU when there is one."""
     import torch
 
     from vlmexp.processor import load_processor
@@ -195,7 +199,9 @@ def load_for_inference(cfg: Config, model_path: str):
 
         model = PeftModel.from_pretrained(model, model_path).merge_and_unload()
     model.eval()
-    if torch.cuda.is_available():  # generation on the GPU the process owns (torchrun's LOCAL_RANK), not the CPU
+    # generation on the GPU the process owns (torchrun's LOCAL_RANK), not the CPU
+    if torch.cuda.is_available():
         model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    processor = load_processor(model_path, family, cfg.model.image_knobs, trust_remote_code=cfg.model.trust_remote_code)
+    processor = load_processor(model_path, family, cfg.model.image_knobs,
+                               trust_remote_code=cfg.model.trust_remote_code)
     return model, processor, family

@@ -14,8 +14,8 @@ from typing import Any
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
 
-PACKAGES = ("vlmexp", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed", "prefect",
-            "mlflow")
+PACKAGES = ("vlmexp", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed",
+            "prefect", "mlflow")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -38,7 +38,8 @@ def command_name() -> str:
 
 def source_tags() -> dict[str, str]:
     """MLflow's own source tags, which fill the runs table's Source column and the run page's source and
-    commit: the entry point (the command), the code's git commit, and whether the checkout had local changes."""
+    commit: the entry point (the command), the code's git commit, and whether the checkout had local
+    changes."""
     commit = git_commit()
     tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": command_name(),
             "git_dirty": str(commit.endswith("-dirty")).lower()}
@@ -48,7 +49,8 @@ def source_tags() -> dict[str, str]:
 
 
 def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Git commit of the code, the source MLflow shows (`source_tags`), the versions of the packages that train."""
+    """Git commit of the code, the source MLflow shows (`source_tags`), the versions of the packages that
+    train."""
     from importlib.metadata import PackageNotFoundError, version
 
     tags = {"git_commit": git_commit(), **source_tags()}
@@ -64,7 +66,8 @@ def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def redact(obj: Any) -> Any:
     """A copy of a config tree with the values of secret-named keys (TOKEN, KEY, SECRET, PASSWORD) hidden."""
     if isinstance(obj, dict):
-        return {k: "<redacted>" if SECRET_NAME.search(str(k)) and v is not None else redact(v) for k, v in obj.items()}
+        return {k: "<redacted>" if SECRET_NAME.search(str(k)) and v is not None else redact(v)
+                for k, v in obj.items()}
     if isinstance(obj, list):
         return [redact(v) for v in obj]
     return obj
@@ -80,7 +83,8 @@ def redacted_yaml(path: str | Path) -> str:
 def git_commit() -> str:
     root = Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     if out.returncode != 0:

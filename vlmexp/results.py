@@ -39,7 +39,8 @@ class SampledData(Result):
     resolved: str  # <output_dir>/config.resolved.yaml, committed once the data sampled cleanly
     train: str  # sampled train.jsonl
     val: str | None  # sampled val.jsonl; None when the config holds no records out
-    hash: str  # the sampled data's content digest (PreparedData.content_sha256): what the stage keys depend on
+    # the sampled data's content digest (PreparedData.content_sha256): what the stage keys depend on
+    hash: str
     base_model: str  # the folder (or hub id) the first stage starts from
 
 
@@ -51,7 +52,8 @@ class StageResult(Result):
     key: str  # the stage key it was trained for (vlmexp.pipeline.keys.stage_key)
     run_id: str  # its MLflow child run ("" with tracking off)
     seconds: float
-    flow_run_id: str = ""  # the Prefect flow run that trained it (a later run that reads it from cache differs)
+    # the Prefect flow run that trained it (a later run that reads it from cache differs)
+    flow_run_id: str = ""
     validation: dict[str, Any] | None = None  # validation during training: <stage>/validation.json, else None
 
     @property
@@ -108,8 +110,9 @@ class PipelineResult(Result):
         return None if stage == "sft" or not self.trained else self.model
 
     def candidates(self, checkpoint: str = "last") -> list[tuple[str, str, str]]:
-        """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's, then
-        with `checkpoint` "best" (export.checkpoint) the last stage's best checkpoint, as `<stage>-best`."""
+        """(name, model, stage key) of every model to evaluate: the base model, then each trained stage's,
+        then with `checkpoint` "best" (export.checkpoint) the last stage's best checkpoint, as
+        `<stage>-best`."""
         out = [("base", self.data.base_model, "")] + [(s.stage, s.final, s.key) for s in self.trained]
         if checkpoint == "best" and self.trained:
             last = self.trained[-1]
@@ -117,8 +120,8 @@ class PipelineResult(Result):
         return out
 
     def metrics(self, checkpoint: str = "last") -> dict[str, int | float]:
-        """The exported model's evaluation metrics ({} without evaluation): the newest model's, or with `checkpoint`
-        "best" (export.checkpoint) the last stage's best checkpoint's (`<stage>-best`)."""
+        """The exported model's evaluation metrics ({} without evaluation): the newest model's, or with
+        `checkpoint` "best" (export.checkpoint) the last stage's best checkpoint's (`<stage>-best`)."""
         exported = self.candidates(checkpoint)[-1][0]
         return next((dict(e.metrics) for e in self.evaluations if e.name == exported), {})
 
@@ -132,31 +135,35 @@ class PipelineResult(Result):
         and value, and the reason in words (the export manifest's `checkpoint`)."""
         last = self.trained[-1]
         v = last.validation or {}
-        why = {"choice": checkpoint, "stage": last.stage, "metric": v.get("metric"), "direction": v.get("direction")}
+        why = {"choice": checkpoint, "stage": last.stage, "metric": v.get("metric"),
+               "direction": v.get("direction")}
         if checkpoint == "last":
             return last.final, {**why, "step": v.get("last_step"), "value": v.get("last_value"),
                                 "reason": "export.checkpoint: last, the stage's final model"}
         if not v.get("best_checkpoint"):
-            raise ValueError(f"export.checkpoint: best, but the {last.stage} stage recorded no best checkpoint "
-                             f"({last.final}/../validation.json: {v or 'missing'}); train it with eval.every_steps on")
+            raise ValueError(f"export.checkpoint: best, but the {last.stage} stage recorded no best "
+                             f"checkpoint ({last.final}/../validation.json: {v or 'missing'}); train it "
+                             "with eval.every_steps on")
         steps = len(v["history"])
-        reason = (f"export.checkpoint: best: {v['metric']} {v['best_value']:.4f} at step {v['best_step']}, the best "
-                  f"({v['direction']}) of {steps} validations during training; the last, at step {v['last_step']}, "
-                  f"gave {v['last_value']:.4f}")
-        return v["best_checkpoint"], {**why, "step": v["best_step"], "value": v["best_value"], "reason": reason}
+        reason = (f"export.checkpoint: best: {v['metric']} {v['best_value']:.4f} at step {v['best_step']}, "
+                  f"the best ({v['direction']}) of {steps} validations during training; the last, at step "
+                  f"{v['last_step']}, gave {v['last_value']:.4f}")
+        return v["best_checkpoint"], {**why, "step": v["best_step"], "value": v["best_value"],
+                                      "reason": reason}
 
     def provenance(self, checkpoint: str = "last") -> dict[str, Any]:
         """What an exported model's manifest records about how it was made, and which checkpoint and why."""
         from vlmexp.provenance import git_commit
 
-        return {"stage_key": self.upstream_key, "data_content_sha256": self.data.hash, "git_commit": git_commit(),
-                "mlflow_parent_run_id": self.mlflow_run_id,
-                "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained}, "evaluation": self.evaluation,
-                "checkpoint": self.exported(checkpoint)[1]}
+        return {"stage_key": self.upstream_key, "data_content_sha256": self.data.hash,
+                "git_commit": git_commit(), "mlflow_parent_run_id": self.mlflow_run_id,
+                "mlflow_stage_run_ids": {s.stage: s.run_id for s in self.trained},
+                "evaluation": self.evaluation, "checkpoint": self.exported(checkpoint)[1]}
 
 
 def comparison_table(evaluations: list[Evaluation]) -> list[dict[str, Any]]:
-    """One row per evaluated model: its name and its metrics (config.METRIC_KEYS present), rounded to 4 places."""
+    """One row per evaluated model: its name and its metrics (config.METRIC_KEYS present), rounded to 4
+    places."""
     from vlmexp.config.stages import METRIC_KEYS
 
     return [{"model": e.name, **{k: round(e.metrics[k], 4) for k in METRIC_KEYS if k in e.metrics}}

@@ -17,8 +17,8 @@ are masked (None) and counted the same way as `rewards/<name>/masked/<reason>`. 
 hooks (evaluation, DPO's pair scoring), nothing is reported.
 
 The rewards computed by a model, `judge` and `reward_model`, live in `vlmexp.model_rewards` (registered beside
-these by `vlmexp.rewards_loader`); a `RewardError` they raise about a whole batch (an endpoint down, too many unreadable answers) passes the
-guarded wrapper unchanged.
+these by `vlmexp.rewards_loader`); a `RewardError` they raise about a whole batch (an endpoint down, too many
+unreadable answers) passes the guarded wrapper unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def completion_text(completion: Any) -> str:
         return completion_text(completion.get("content", ""))
     if isinstance(completion, list):
         return "".join(
-            part.get("text", "") if isinstance(part, dict) and "content" not in part else completion_text(part)
+            part.get("text", "") if isinstance(part, dict) and "content" not in part
+            else completion_text(part)
             for part in completion
         )
     return str(completion)
@@ -101,7 +102,8 @@ class Reward:
             why.append(value.reason if isinstance(value, Unparsable) else None)
             out.append(0.0 if isinstance(value, Unparsable) else value)
         if self.reasons:
-            report_counts(log_metric, f"rewards/{self.name}/unparsable", Counter(r for r in why if r), self.reasons)
+            report_counts(log_metric, f"rewards/{self.name}/unparsable", Counter(r for r in why if r),
+                          self.reasons)
             if log_extra is not None:
                 log_extra(f"{self.name}/unparsable", why)
         return out
@@ -239,9 +241,9 @@ DEFAULT_MATCHES = ("vlm_r1", "exact")  # how the exact reward scores accu_reward
 @dataclass
 class ExactReward(Reward):
     """Text answers, scored per record by its `accu_reward_method` column (vlmexp.answers):
-    default: as VLM-R1's default_accuracy_reward (math-verify, then numbers, a choice letter, or the Levenshtein
-    ratio: partial credit); with default_match "exact", equal after normalising case, spaces and punctuation, or
-    the same choice letter ("B", "(B)").
+    default: as VLM-R1's default_accuracy_reward (math-verify, then numbers, a choice letter, or the
+    Levenshtein ratio: partial credit); with default_match "exact", equal after normalising case, spaces and
+    punctuation, or the same choice letter ("B", "(B)").
     mcq / yes_no: the choice letter / yes or no the answer names, against the solution's.
     all_match: equal after VLM-R1's clean_text (lower case, a final '.' dropped)."""
 
@@ -253,7 +255,8 @@ class ExactReward(Reward):
 
     def __post_init__(self) -> None:
         if self.default_match not in DEFAULT_MATCHES:
-            raise ValueError(f"default_match {self.default_match!r} is not one of {', '.join(DEFAULT_MATCHES)}")
+            raise ValueError(f"default_match {self.default_match!r} is not one of "
+                             f"{', '.join(DEFAULT_MATCHES)}")
 
     def score(self, text: str, solution: Any = None, accu_reward_method: Any = None,
               **sample: Any) -> float | Unparsable | None:
@@ -270,7 +273,8 @@ class ExactReward(Reward):
         if method == "all_match":  # VLM-R1 all_match_reward
             return float(answers.clean_text(text, self.answer_tag) == answers.clean_text(str(solution)))
         if method != "default":
-            raise ValueError(f"unknown answer method {method!r}; sample the records again with `vlmexp sample`")
+            raise ValueError(f"unknown answer method {method!r}; sample the records again with "
+                             "`vlmexp sample`")
         if self.default_match == "vlm_r1":
             score = answers.vlm_r1_default(text, str(solution), self.answer_tag)
             return self.fail("no_choice") if score is None else score
@@ -283,9 +287,9 @@ class ExactReward(Reward):
 
 @dataclass
 class DetectionReward(Reward):
-    """Several boxes per answer against several targets (vlmexp.detection), by the `accu_reward_method` column:
-    od_ap, od_ap50, map (COCO AP), odLength (AP times a length penalty), weighted_sum (VLM-R1's matching
-    score). The model's boxes are read in the family's frame, the solution's in original pixels."""
+    """Several boxes per answer against several targets (vlmexp.detection), by the `accu_reward_method`
+    column: od_ap, od_ap50, map (COCO AP), odLength (AP times a length penalty), weighted_sum (VLM-R1's
+    matching score). The model's boxes are read in the family's frame, the solution's in original pixels."""
 
     name: ClassVar[str] = "detection"
     tasks: ClassVar[tuple[str, ...]] = ("detection",)
@@ -322,9 +326,9 @@ REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoU
 
 
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
-    """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only the
-    form). A module:function reward or a model reward (judge, reward_model) may score any task, so with one
-    nothing is reported."""
+    """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only
+    the form). A module:function reward or a model reward (judge, reward_model) may score any task, so with
+    one nothing is reported."""
     if any(name not in REGISTRY for name in names):
         return []
     scored = {task for name in names for task in REGISTRY[name].tasks}
@@ -345,19 +349,23 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
     def __call__(self, prompts=None, completions=(), **kwargs):
         try:
             scores = self.fn(prompts=prompts, completions=completions, **kwargs)
-        except RewardError:  # about the whole batch (a model reward's endpoint, its unreadable answers): as it is
+        except RewardError:
+            # about the whole batch (a model reward's endpoint, its unreadable answers): as it is
             raise
         except Exception as batch_error:
-            for i in range(len(completions)):  # find the first sample that raises, to name it (hooks left out)
+            for i in range(len(completions)):
+                # find the first sample that raises, to name it (hooks left out)
                 one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == len(completions) else v
                        for k, v in kwargs.items() if k not in ("log_metric", "log_extra")}
                 try:
                     self.fn(prompts=[prompts[i]] if prompts else None, completions=[completions[i]], **one)
                 except Exception as e:
                     text = completion_text(completions[i])[:200]
-                    raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on sample "
-                                      f"{i} (completion {text!r}, solution {one.get('solution')!r})") from e
-            raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} on the batch") from batch_error
+                    raise RewardError(f"reward {self.__name__!r} raised {e.__class__.__name__}: {e} on "
+                                      f"sample {i} (completion {text!r}, "
+                                      f"solution {one.get('solution')!r})") from e
+            raise RewardError(f"reward {self.__name__!r} raised {batch_error!r} "
+                              "on the batch") from batch_error
         scores, masked = self._checked(scores, len(completions))
         custom = not isinstance(self.fn, Reward)  # a built-in's None means "not this sample's task"
         report_counts(kwargs.get("log_metric"), f"rewards/{self.__name__}/masked", masked,
@@ -369,8 +377,9 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
         TRL sums the weighted rewards with nansum, so a masked sample gets no credit from this reward, and a
         NaN never reaches the advantages. A custom reward's None is counted as masked too."""
         if not isinstance(scores, (list, tuple)) or len(scores) != n:
-            raise RewardError(f"reward {self.__name__!r} must return a list of {n} scores (one per completion), "
-                              f"got {type(scores).__name__} of length {len(scores) if hasattr(scores, '__len__') else '?'}")
+            raise RewardError(f"reward {self.__name__!r} must return a list of {n} scores (one per "
+                              f"completion), got {type(scores).__name__} of length "
+                              f"{len(scores) if hasattr(scores, '__len__') else '?'}")
         out: list[Score] = []
         masked: Counter = Counter()
         custom = not isinstance(self.fn, Reward)
@@ -381,7 +390,8 @@ class guarded:  # noqa: N801 - used like a function; a class so the reward stays
                 out.append(None)
                 continue
             if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-                raise RewardError(f"reward {self.__name__!r} returned {value!r} for sample {i}; return a float or None")
+                raise RewardError(f"reward {self.__name__!r} returned {value!r} for sample {i}; return a "
+                                  "float or None")
             value = float(value)
             if math.isfinite(value):
                 out.append(value)

@@ -1,8 +1,8 @@
 """From a config's reward entry to the callable GRPO, DPO's pair scoring and evaluation call: a registered
-name (`vlmexp.rewards.REGISTRY`, and the model rewards' `vlmexp.model_rewards.MODEL_REGISTRY`: `REWARDS`) is built with its kwargs and the model family's box frame; a
-`module:function` reward, the only way config text selects code to run, is imported here (training) or,
-to validate a config, in a child Python process with a time limit (`check_custom_reward`). Either comes
-back wrapped by `vlmexp.rewards.guarded`.
+name (`vlmexp.rewards.REGISTRY`, and the model rewards' `vlmexp.model_rewards.MODEL_REGISTRY`: `REWARDS`) is
+built with its kwargs and the model family's box frame; a `module:function` reward, the only way config text
+selects code to run, is imported here (training) or, to validate a config, in a child Python process with a
+time limit (`check_custom_reward`). Either comes back wrapped by `vlmexp.rewards.guarded`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from vlmexp.errors import short
 from vlmexp.model_rewards import MODEL_REGISTRY
 from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, guarded
 
-REWARDS = {**REGISTRY, **MODEL_REGISTRY}  # every registered name: the rule-based rewards and the model rewards
+# every registered name: the rule-based rewards and the model rewards
+REWARDS = {**REGISTRY, **MODEL_REGISTRY}
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and transformers takes ~5 s here
@@ -24,7 +25,8 @@ DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and trans
 def _split_ref(ref: str) -> tuple[str, str]:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr.isidentifier():
-        raise ValueError(f"reward {ref!r} is neither a registered name ({', '.join(REWARDS)}) nor module:function")
+        raise ValueError(f"reward {ref!r} is neither a registered name "
+                         f"({', '.join(REWARDS)}) nor module:function")
     return module_name, attr
 
 
@@ -37,8 +39,10 @@ def load_custom(ref: str) -> Callable[..., list[Score]]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of the user's module is reported by name
+        raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({e}); "
+                         "is it on PYTHONPATH?") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        # any failure of the user's module is reported by name
         raise ValueError(f"reward {ref!r}: importing {module_name!r} failed ({e.__class__.__name__}: {e}); "
                          f"fix the module") from None
     fn = getattr(module, attr, None)
@@ -85,30 +89,31 @@ def check_custom_reward(ref: str) -> None:
     timeout = _import_timeout()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        proc = subprocess.Popen([sys.executable, "-c", _IMPORT_CHECK, json.dumps(sys.path), module_name, attr, out],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", _IMPORT_CHECK, json.dumps(sys.path), module_name,
+                                 attr, out],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise ValueError(f"reward {ref!r}: importing {module_name!r} did not finish in {timeout:g} s (validation "
-                             f"imports the module, so its top-level code runs); make the import return, or set "
-                             f"{IMPORT_TIMEOUT_ENV} higher") from None
+            raise ValueError(f"reward {ref!r}: importing {module_name!r} did not finish in {timeout:g} s "
+                             "(validation imports the module, so its top-level code runs); make the import "
+                             f"return, or set {IMPORT_TIMEOUT_ENV} higher") from None
         try:
             with open(out) as f:
                 result = json.load(f)
         except (OSError, ValueError):
-            raise ValueError(f"reward {ref!r}: importing {module_name!r} ended the Python process (exit status "
-                             f"{code}) before it finished; remove what ends the process from the module's "
-                             f"top level") from None
+            raise ValueError(f"reward {ref!r}: importing {module_name!r} ended the Python process (exit "
+                             f"status {code}) before it finished; remove what ends the process from the "
+                             "module's top level") from None
     kind, error = result["kind"], short(result.get("error", ""), 300, text=True)
     if kind == "import":
         raise ValueError(f"reward {ref!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?")
     if kind == "exit":
-        raise ValueError(f"reward {ref!r}: importing {module_name!r} called sys.exit({error}); remove that call "
-                         f"from the module's top level")
+        raise ValueError(f"reward {ref!r}: importing {module_name!r} called sys.exit({error}); remove that "
+                         "call from the module's top level")
     if kind == "raise":
         raise ValueError(f"reward {ref!r}: importing {module_name!r} raised {error}; fix the module")
     if not result["callable"]:
@@ -124,8 +129,8 @@ def _import_timeout() -> float:
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise ValueError(f"{IMPORT_TIMEOUT_ENV}={short(text)} is not a positive number of seconds; unset it or "
-                         f"give e.g. 300")
+        raise ValueError(f"{IMPORT_TIMEOUT_ENV}={short(text)} is not a positive number of seconds; unset it "
+                         "or give e.g. 300")
     return value
 
 
@@ -144,8 +149,8 @@ def check_reward_name(name: str, import_module: bool = True) -> None:
 
 def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
                  prefilled_think: bool = False) -> Callable[..., list[Score]]:
-    """One reward callable from its config entry; `prefilled_think`: the chat template's generation prompt ends
-    in <think> (the format reward's default for its `prefilled_think`)."""
+    """One reward callable from its config entry; `prefilled_think`: the chat template's generation prompt
+    ends in <think> (the format reward's default for its `prefilled_think`)."""
     if name not in REWARDS:
         return guarded(load_custom(name), name)
     args = dict(kwargs)

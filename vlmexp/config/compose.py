@@ -22,7 +22,8 @@ from vlmexp.errors import ConfigError, Problem, short
 EXTENDS = "extends"
 EXPECTED = "a config's sections (run, model, data, ...) or a data YAML's `datasets:` list"
 
-Origins = dict[Loc, str]  # location in the merged mapping -> "file:line" where its key or list item was written
+# location in the merged mapping -> "file:line" where its key or list item was written
+Origins = dict[Loc, str]
 
 
 def read_composed(path: str | Path) -> tuple[dict[str, Any], Origins]:
@@ -51,24 +52,27 @@ def _read(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], Origins]
 
 
 def _base_paths(value: Any, path: Path, here: str, chain: tuple[Path, ...]) -> list[Path]:
-    """The files `extends` names, relative to `path`'s folder; refused: a wrong type, a missing file, a cycle."""
+    """The files `extends` names, relative to `path`'s folder; refused: a wrong type, a missing file, a
+    cycle."""
     def refuse(message: str) -> ConfigError:
-        return ConfigError([Problem(here, EXTENDS, message, value)], title=f"invalid config {chain[0] if chain else path}")
+        return ConfigError([Problem(here, EXTENDS, message, value)],
+                           title=f"invalid config {chain[0] if chain else path}")
 
     names = value if isinstance(value, list) else [value]
     if not names or not all(isinstance(name, str) and name.strip() for name in names):
-        raise refuse("write the path of a config file to build on, or a list of them (relative to this file's "
-                     "folder), e.g. extends: demo.yaml")
+        raise refuse("write the path of a config file to build on, or a list of them (relative to this "
+                     "file's folder), e.g. extends: demo.yaml")
     out = []
     for name in names:
         base = Path(os.path.normpath(path.parent / Path(name).expanduser()))
         if not base.is_file():
-            raise refuse(f"{base} is not a file; paths in extends are relative to the folder of the file that "
-                         f"names them ({path.parent}): fix the path")
+            raise refuse(f"{base} is not a file; paths in extends are relative to the folder of the file "
+                         f"that names them ({path.parent}): fix the path")
         seen = [p.resolve() for p in (*chain, path)]
         if base.resolve() in seen:
             cycle = " -> ".join(str(p) for p in (*chain, path, base)[seen.index(base.resolve()):])
-            raise refuse(f"extends makes a cycle: {short(cycle, 600, text=True)}; remove one of these extends")
+            raise refuse(f"extends makes a cycle: {short(cycle, 600, text=True)}; "
+                         "remove one of these extends")
         out.append(base)
     return out
 
@@ -102,7 +106,8 @@ def merge(base: dict[str, Any], base_origins: Origins, top: dict[str, Any],
 
 def _merged(base: Any, top: Any) -> Any:
     if isinstance(base, dict) and isinstance(top, dict):
-        return {**base, **{key: _merged(base[key], value) if key in base else value for key, value in top.items()}}
+        return {**base,
+                **{key: _merged(base[key], value) if key in base else value for key, value in top.items()}}
     return top
 
 

@@ -3,8 +3,8 @@ ConfigError listing every problem.
 
 Each problem names where it comes from (file:line of the file that wrote the value, a base file's included,
 or the override that set it), the field's dotted path, the bad value, and the fix. YAML is parsed with the
-safe loader only. Three phases: compose (`vlmexp.config.compose`), the schema (`vlmexp.config.schema`, pure), and
-the check phase (`vlmexp.config.checks`, whose checks with side effects run only when asked).
+safe loader only. Three phases: compose (`vlmexp.config.compose`), the schema (`vlmexp.config.schema`, pure),
+and the check phase (`vlmexp.config.checks`, whose checks with side effects run only when asked).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
         return origin_of(origins, loc) or str(path)
 
     non_finite = dict(_non_finite(raw, ()))  # anywhere, kwargs and TRL args included
-    problems += [Problem(where(loc), _dotted(loc), "not a finite number (NaN or infinity); write a finite number",
-                         value) for loc, value in non_finite.items()]
+    problems += [Problem(where(loc), _dotted(loc),
+                         "not a finite number (NaN or infinity); write a finite number", value)
+                 for loc, value in non_finite.items()]
     cfg = None
     try:
         cfg = Config.model_validate(raw)
@@ -62,7 +63,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
     found = check_names(raw)
     if cfg is not None:
         found += check_sections(cfg)
-        found += (check_trl_config(cfg) if check_trl else []) + (check_reward_imports(cfg) if import_rewards else [])
+        found += ((check_trl_config(cfg) if check_trl else [])
+                  + (check_reward_imports(cfg) if import_rewards else []))
     if cfg is not None and check_paths:
         from vlmexp.config.path_checks import check_config_paths
 
@@ -90,8 +92,8 @@ def apply_override(raw: dict[str, Any], item: str) -> Loc:
     """Set one dotted override in the raw mapping; return the location it set."""
     parts, value = parse_override(item)
     if parts[0] == EXTENDS:
-        raise ValueError(f"{EXTENDS} is read from the config file only (it merges files before any override); "
-                         f"write it in the YAML file")
+        raise ValueError(f"{EXTENDS} is read from the config file only (it merges files before any "
+                         "override); write it in the YAML file")
     node: Any = raw
     loc: list[str | int] = []
     for i, part in enumerate(parts):
@@ -106,7 +108,8 @@ def apply_override(raw: dict[str, Any], item: str) -> Loc:
             if not last and node.get(key) is None:
                 node[key] = {}
         else:
-            raise ValueError(f"{'.'.join(map(str, loc))} is a value, not a section: cannot set {part!r} in it")
+            raise ValueError(f"{'.'.join(map(str, loc))} is a value, not a section: "
+                             f"cannot set {part!r} in it")
         loc.append(key)
         if last:
             node[key] = value

@@ -26,10 +26,12 @@ def _check_sources(sources: list[DataSource], loc: tuple, origin: str | None = N
         where = f" (from {origin})" if origin else ""
         found = locate(src.json_path)
         if found.kind == "file" and not Path(found.path).is_file():
-            out.append(((*loc, i, "json_path"), src.json_path, (f"file not found{where}; fix json_path (a file, a "
-                                                                "glob or folder of shards, or a Hub id org/name@split)")))
+            out.append(((*loc, i, "json_path"), src.json_path,
+                        (f"file not found{where}; fix json_path (a file, a glob or folder of shards, or a "
+                         "Hub id org/name@split)")))
         elif found.kind == "shards" and not Path(found.path).is_dir() and not glob_paths(found.path):
-            out.append(((*loc, i, "json_path"), src.json_path, f"no file matches this glob{where}; fix json_path"))
+            out.append(((*loc, i, "json_path"), src.json_path,
+                        f"no file matches this glob{where}; fix json_path"))
         if src.image_root and not Path(src.image_root).is_dir():
             out.append(((*loc, i, "image_root"), src.image_root, f"folder not found{where}; fix image_root"))
         if src.dataset is not None and found.kind != "hub":
@@ -154,8 +156,9 @@ def data_paths(cfg: Config, *models: str) -> dict[str, str]:
     for src in sources:
         where = locate(src.json_path)
         if where.kind != "hub":
-            found[f"the data source {src.json_path}"] = str(Path(where.path).parent if where.kind == "shards" and
-                                                            not Path(where.path).is_dir() else where.path)
+            found[f"the data source {src.json_path}"] = str(Path(where.path).parent if where.kind == "shards"
+                                                            and not Path(where.path).is_dir()
+                                                            else where.path)
         if src.image_root:
             found[f"the image root {src.image_root}"] = src.image_root
     return found
@@ -175,8 +178,8 @@ def check_replaceable_folder(path: str | Path, protected: dict[str, str | Path] 
     for name, value in guarded.items():
         q = Path(value).expanduser().resolve()
         if q == target or target in q.parents:
-            return (f"{p} is or holds {name} ({q}), and vlmexp replaces its output folder as a whole; choose a "
-                    f"folder of its own, e.g. {p / 'export'}")
+            return (f"{p} is or holds {name} ({q}), and vlmexp replaces its output folder as a whole; choose "
+                    f"a folder of its own, e.g. {p / 'export'}")
     return foreign_content(target)
 
 
@@ -184,14 +187,15 @@ KEY_FILE = "stage_key.json"  # in each stage folder: the inputs it belongs to (v
 
 
 def foreign_stage_dir(stage_dir: Path) -> str | None:
-    """Why `stage_dir` is not vlmexp's to archive and reuse (it holds files, but neither the pipeline's stage key
-    nor the marker `vlmexp train` leaves), or None."""
+    """Why `stage_dir` is not vlmexp's to archive and reuse (it holds files, but neither the pipeline's stage
+    key nor the marker `vlmexp train` leaves), or None."""
     from vlmexp.files import MARKER, foreign_content
 
     if (stage_dir / KEY_FILE).is_file() or foreign_content(stage_dir) is None:
         return None
-    return (f"{stage_dir} holds files that no vlmexp stage wrote (no {KEY_FILE} or {MARKER}); vlmexp moves or reuses only its "
-            "own stage folders: set run.output_dir to a folder of the run's own, or move that folder away")
+    return (f"{stage_dir} holds files that no vlmexp stage wrote (no {KEY_FILE} or {MARKER}); vlmexp moves "
+            "or reuses only its own stage folders: set run.output_dir to a folder of the run's own, or move "
+            "that folder away")
 
 
 def check_output_file(path: str | Path) -> str | None:
@@ -223,7 +227,8 @@ def check_checkpoint(path: str | Path) -> str | None:
 
     p = Path(path).expanduser()
     if not p.is_dir():
-        return f"{p}: no such folder; give a model folder or a LoRA adapter folder (e.g. outputs/demo/grpo/final)"
+        return (f"{p}: no such folder; give a model folder or a LoRA adapter folder "
+                "(e.g. outputs/demo/grpo/final)")
     if (p / "adapter_config.json").is_file():
         adapter, msg = read_json_file(p / "adapter_config.json")
         base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
@@ -235,21 +240,25 @@ def check_checkpoint(path: str | Path) -> str | None:
     config, msg = read_json_file(p / "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if msg or model_type not in FAMILIES:
-        return msg or (f"{p}/config.json: model_type {short(model_type)} is not a supported family; supported: "
-                       f"{', '.join(sorted(FAMILIES))}")
+        return msg or (f"{p}/config.json: model_type {short(model_type)} is not a supported family; "
+                       f"supported: {', '.join(sorted(FAMILIES))}")
     return None
 
 
 def _check_reward_models(cfg: Config) -> list[Found]:
-    """The model folders of grpo.rewards: a reward model's `path`, a local judge's `model` (without an endpoint)."""
+    """The model folders of grpo.rewards: a reward model's `path`, a local judge's `model` (without an
+    endpoint)."""
     out: list[Found] = []
     for i, spec in enumerate(cfg.grpo.rewards):
         key = {"reward_model": "path", "judge": "model"}.get(spec.name)
-        folder = spec.kwargs.get(key) if key and not (spec.name == "judge" and spec.kwargs.get("endpoint")) else None
-        hub = spec.name == "reward_model" and isinstance(folder, str) and is_hub_id(folder)  # a judge runs from disk
+        folder = (spec.kwargs.get(key) if key and not (spec.name == "judge" and spec.kwargs.get("endpoint"))
+                  else None)
+        # a judge runs from disk
+        hub = spec.name == "reward_model" and isinstance(folder, str) and is_hub_id(folder)
         if isinstance(folder, str) and folder and not hub and not (Path(folder) / "config.json").is_file():
-            out.append((("grpo", "rewards", i, "kwargs", key), folder, "no model folder with a config.json here; fix "
-                        f"the path{', or set kwargs.endpoint to ask a served judge' if spec.name == 'judge' else ''}"))
+            out.append((("grpo", "rewards", i, "kwargs", key), folder, (
+                "no model folder with a config.json here; fix the path"
+                f"{', or set kwargs.endpoint to ask a served judge' if spec.name == 'judge' else ''}")))
     return out
 
 

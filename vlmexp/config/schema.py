@@ -54,10 +54,12 @@ DEFAULT_PROMPT_TEMPLATES: dict[str, str] = {
         "in <answer> </answer> tags."
     ),
     "exact": "{problem} Think in <think> </think> tags, then answer in <answer> </answer> tags.",
-    "detection": (  # VLM-R1's detection question template (src/eval/test_od_r1.py), with the box format spelled out
-        "{problem} First output the thinking process in <think> </think> tags and then output the final answer "
-        "in <answer> </answer> tags. Output the final answer in JSON format: a ```json block listing "
-        "{{\"bbox_2d\": [x1, y1, x2, y2], \"label\": ...}} for each object, {frame}, or None if there is none."
+    # VLM-R1's detection question template (src/eval/test_od_r1.py), with the box format spelled out
+    "detection": (
+        "{problem} First output the thinking process in <think> </think> tags and then output the final "
+        "answer in <answer> </answer> tags. Output the final answer in JSON format: a ```json block "
+        "listing {{\"bbox_2d\": [x1, y1, x2, y2], \"label\": ...}} for each object, {frame}, or None if "
+        "there is none."
     ),
 }
 TEMPLATE_FIELDS = ("problem", "frame")  # what a prompt template may use
@@ -92,12 +94,13 @@ class TinyModelConfig(Section):
     num_layers: PositiveInt = Field(2, description="Text decoder layers.")
     num_heads: PositiveInt = Field(4, description="Text attention heads; hidden_size / num_heads must be a "
                                                   "multiple of 8.")
-    num_kv_heads: PositiveInt = Field(2, description="Text key/value heads (grouped-query attention); divides "
-                                                     "num_heads.")
+    num_kv_heads: PositiveInt = Field(2, description="Text key/value heads (grouped-query attention); "
+                                                     "divides num_heads.")
     vision_hidden_size: PositiveInt = Field(64, description="Vision tower width.")
     vision_depth: PositiveInt = Field(2, description="Vision tower blocks.")
     vision_heads: PositiveInt = Field(4, description="Vision tower attention heads.")
-    vocab_size: PositiveInt = Field(1024, description="BPE vocabulary trained locally, before the special tokens.")
+    vocab_size: PositiveInt = Field(1024, description="BPE vocabulary trained "
+                                    "locally, before the special tokens.")
     seed: int = Field(0, description="Seed of the tokenizer corpus and the random weights.")
 
     @model_validator(mode="after")
@@ -115,19 +118,23 @@ class ModelConfig(Section):
         None, description="Detected from the checkpoint's config.json when left out."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights' dtype when loading; auto: the checkpoint's own (float32 for tiny models).")
+        "auto", description="Weights' dtype when loading; "
+        "auto: the checkpoint's own (float32 for tiny models).")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
-        "sdpa", description="transformers' attention kernel; flash_attention_* need the flash-attn package (GPU).")
-    min_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: smart_resize's image pixel floor; "
-                                           "default: the processor's. Refused for internvl, which tiles.")
-    max_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: smart_resize's image pixel ceiling; "
-                                           "default: the processor's. Refused for internvl, which tiles.")
-    min_patches: PositiveInt | None = Field(None, description="internvl: fewest tiles an image is cut into; default: "
-                                            "the processor's (1). Refused for the Qwen-VL families.")
-    max_patches: PositiveInt | None = Field(None, description="internvl: most tiles (448 x 448 crops in the released "
-                                            "checkpoints, plus a thumbnail when there is more than one) an image is "
-                                            "cut into, VLM-R1's max_anyres_num; default: the processor's (12). "
-                                            "Refused for the Qwen-VL families.")
+        "sdpa", description="transformers' attention kernel; "
+        "flash_attention_* need the flash-attn package (GPU).")
+    min_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: "
+                                           "smart_resize's image pixel floor; default: the "
+                                           "processor's. Refused for internvl, which tiles.")
+    max_pixels: PositiveInt | None = Field(None, description="Qwen-VL families: "
+                                           "smart_resize's image pixel ceiling; default: the "
+                                           "processor's. Refused for internvl, which tiles.")
+    min_patches: PositiveInt | None = Field(None, description="internvl: fewest tiles an image is cut into; "
+                                            "default: the processor's (1). Refused for the Qwen-VL families.")
+    max_patches: PositiveInt | None = Field(None, description="internvl: most tiles (448 x 448 crops in the "
+                                            "released checkpoints, plus a thumbnail when there is more than "
+                                            "one) an image is cut into, VLM-R1's max_anyres_num; default: "
+                                            "the processor's (12). Refused for the Qwen-VL families.")
     trust_remote_code: bool = Field(False, description="Let transformers run Python code shipped with the "
                                                         "checkpoint (only for checkpoints you trust).")
     tiny: TinyModelConfig | None = Field(None, description="Sizes for tiny:<family> models.")
@@ -136,7 +143,8 @@ class ModelConfig(Section):
     @classmethod
     def _path(cls, v: str) -> str:
         if v.startswith(TINY_PREFIX) and v[len(TINY_PREFIX):] not in FAMILIES:
-            raise ValueError(f"unknown tiny family; use one of: {', '.join(TINY_PREFIX + f for f in FAMILIES)}")
+            raise ValueError("unknown tiny family; use one of: "
+                             f"{', '.join(TINY_PREFIX + f for f in FAMILIES)}")
         if not v.strip():
             raise ValueError("give a local model folder, a hub id (org/name) or tiny:<family>")
         return v
@@ -144,15 +152,18 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels}): swap them")
+            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds "
+                             f"max_pixels ({self.max_pixels}): swap them")
         if self.min_patches and self.max_patches and self.min_patches > self.max_patches:
-            raise ValueError(f"min_patches ({self.min_patches}) exceeds max_patches ({self.max_patches}): swap them")
+            raise ValueError(f"min_patches ({self.min_patches}) exceeds max_patches ({self.max_patches}): "
+                             "swap them")
         if self.tiny is not None and not self.path.startswith(TINY_PREFIX):
             raise ValueError("model.tiny applies only to model.path: tiny:<family>; remove model.tiny")
         if self.path.startswith(TINY_PREFIX):
             family = self.path[len(TINY_PREFIX):]
             if self.family not in (None, family):
-                raise ValueError(f"family {self.family!r} contradicts path {self.path!r}: remove model.family")
+                raise ValueError(f"family {self.family!r} contradicts "
+                                 f"path {self.path!r}: remove model.family")
             self.family = family  # type: ignore[assignment]
         if self.family is not None:  # else checked once the checkpoint's family is read (vlmexp.processor)
             FAMILIES[self.family].check_budget_knobs(self.image_knobs)
@@ -171,23 +182,25 @@ class ModelConfig(Section):
 class DataSource(Section):
     """One entry of a VLM-R1 data YAML's `datasets:` list."""
 
-    json_path: str = Field(..., description="A .json (list), .jsonl, .parquet or .arrow file; a glob or folder of "
-                           "shards (data/train-*.parquet, folder@split); a save_to_disk folder; a LLaMA-Factory "
-                           "dataset folder (with dataset_info.json; name the dataset with `dataset`); or a Hugging "
-                           "Face Hub dataset org/name@split (EasyR1's syntax).")
+    json_path: str = Field(..., description="A .json (list), .jsonl, .parquet or .arrow file; a glob or "
+                           "folder of shards (data/train-*.parquet, folder@split); a save_to_disk folder; a "
+                           "LLaMA-Factory dataset folder (with dataset_info.json; name the dataset with "
+                           "`dataset`); or a Hugging Face Hub dataset org/name@split (EasyR1's syntax).")
     sampling_strategy: str = Field("all", description="all | first:N | end:N | random:N, N may be 'P%'.")
     image_root: str | None = Field(None, description="Folder that relative image paths resolve against. "
                                    "Default: the file's or folder's own.")
     task: Task | None = Field(None, description="rec | math | exact | detection; default from the records' "
                               "accu_reward_method, else from the record format.")
     columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
-                                           "e.g. {problem: question, answer: solution, images: image} (EasyR1's "
-                                           "prompt_key / answer_key / image_key), or a column of your own to the "
-                                           "name rewards receive it under, e.g. {caption: normal_caption}.")
+                                           "e.g. {problem: question, answer: solution, images: image} "
+                                           "(EasyR1's prompt_key / answer_key / image_key), or a column "
+                                           "of your own to the name rewards receive it under, e.g. "
+                                           "{caption: normal_caption}.")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
-    dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: the dataset_info.json entry to "
-                                "read (its file, formatting, columns and tags); only with such a folder.")
+    dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: "
+                                "the dataset_info.json entry to read (its file, "
+                                "formatting, columns and tags); only with such a folder.")
 
     @field_validator("columns")
     @classmethod
@@ -210,24 +223,26 @@ def check_scene_range(name: str, value: tuple[int, int]) -> None:
 
 class DemoDataConfig(Section):
     """Generate the embedded grounding dataset under <output_dir>/demo_data on first use. The defaults are the
-    demo's recipe (configs/demo.yaml) and `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them here)."""
+    demo's recipe (configs/demo.yaml) and `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them
+    here)."""
 
     train: PositiveInt = Field(1024, description="Training records to generate.")
     val: PositiveInt = Field(256, description="Held-out records to generate.")
-    seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data stays "
-                                     "the same across training seeds).")
+    seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data "
+                                     "stays the same across training seeds).")
     width: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image width range [low, high].")
     height: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image height range [low, high].")
     objects: tuple[PositiveInt, PositiveInt] = Field((1, 1), description="Shapes per image [low, high].")
     background: Literal["plain", "gradient"] = Field(
-        "gradient", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, which "
-        "has no absolute position embedding, can see where a shape is.")
+        "gradient", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, "
+        "which has no absolute position embedding, can see where a shape is.")
     annotator_jitter: float = Field(
-        0.05, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge by a uniform "
-        "draw in [-j, +j] x the box's side; the reward and evaluation score against the exact box. 0: exact.")
+        0.05, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge "
+        "by a uniform draw in [-j, +j] x the box's side; the reward and evaluation score against the "
+        "exact box. 0: exact.")
     annotator_loose: float = Field(
-        0.25, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the box's "
-        "side (a loose annotator). 0: tight.")
+        0.25, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the "
+        "box's side (a loose annotator). 0: tight.")
 
     @field_validator("width", "height", "objects")
     @classmethod
@@ -243,11 +258,13 @@ class DataConfig(Section):
     val_datasets: list[DataSource] | None = Field(None, description="Held-out sources.")
     val_data_yaml: str | None = Field(None, description="A VLM-R1 data YAML of held-out sources.")
     val_fraction: float | None = Field(None, gt=0, lt=1, description="Hold out this share of training rows.")
-    system_prompt: str | None = Field(None, description="A system message put before every prompt; none by default.")
+    system_prompt: str | None = Field(None, description="A system message put "
+                                      "before every prompt; none by default.")
     prompt_templates: dict[Task, str] = Field(
         default_factory=lambda: dict(DEFAULT_PROMPT_TEMPLATES),
         description="The user prompt per task (rec, math, exact, detection), with {problem} and, for rec and "
-                    "detection, {frame} (the family's box frame); tasks not given keep the default (vlmexp.config.schema.DEFAULT_PROMPT_TEMPLATES).")
+                    "detection, {frame} (the family's box frame); tasks not given keep the default "
+                    "(vlmexp.config.schema.DEFAULT_PROMPT_TEMPLATES).")
 
     @field_validator("prompt_templates")
     @classmethod
@@ -275,8 +292,8 @@ class DataConfig(Section):
 class TrackingConfig(Section):
     """Where runs, metrics and artifacts are recorded."""
 
-    backend: Literal["mlflow", "none"] = Field("mlflow", description="mlflow, or none: nothing is recorded (and "
-                                                                     "mlflow is not imported).")
+    backend: Literal["mlflow", "none"] = Field("mlflow", description="mlflow, or none: nothing is recorded "
+                                               "(and mlflow is not imported).")
     tracking_uri: str | None = Field(None, description="Default sqlite:///<run.output_dir>/mlflow.db; "
                                                         "MLFLOW_TRACKING_URI wins.")
     experiment_name: str | None = Field(None, description="Default: run.name.")
@@ -285,11 +302,11 @@ class TrackingConfig(Section):
     completions_every: int = Field(10, ge=0, description="Log a table of sample GRPO completions with their "
                                                          "rewards every N steps (0 = never).")
     completions_per_table: PositiveInt = Field(8, description="Completions per table.")
-    system_metrics: bool = Field(True, description="Sample CPU, memory, disk and network use, and GPU use and "
-                                 "memory where a GPU is present (needs nvidia-ml-py: the gpu extra), into each "
-                                 "training stage's run: MLflow's System metrics tab. false: none.")
+    system_metrics: bool = Field(True, description="Sample CPU, memory, disk and network use, and GPU use "
+                                 "and memory where a GPU is present (needs nvidia-ml-py: the gpu extra), "
+                                 "into each training stage's run: MLflow's System metrics tab. false: none.")
     system_metrics_seconds: float = Field(10, gt=0, description="Seconds between system-metric samples "
-                                                                "(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins).")
+                                          "(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins).")
 
 
 class PipelineConfig(Section):
@@ -297,11 +314,13 @@ class PipelineConfig(Section):
 
     retries: int = Field(1, ge=0, description="Retries per task; a retried training stage resumes from its "
                                               "last checkpoint.")
-    retry_delay_seconds: float = Field(10, ge=0, description="Seconds between a task's failure and its retry.")
+    retry_delay_seconds: float = Field(10, ge=0,
+                                       description="Seconds between a task's failure and its retry.")
     stage_deployments: dict[str, str] = Field(
         default_factory=dict,
-        description="Run a stage as its own Prefect deployment (`flow/deployment`, e.g. `{grpo: vlm-stage/gpu}`) "
-                    "on that deployment's work pool; stages not named run in the flow's process. Keys: "
+        description="Run a stage as its own Prefect deployment (`flow/deployment`, e.g. "
+                    "`{grpo: vlm-stage/gpu}`) on that deployment's work pool; stages not named run in the "
+                    "flow's process. Keys: "
                     + ", ".join(DEPLOYABLE_STAGES) + ".")
 
     @field_validator("stage_deployments")
@@ -312,8 +331,8 @@ class PipelineConfig(Section):
                 raise ValueError(f"unknown stage {stage!r}; stages that can run as a deployment: "
                                  f"{', '.join(DEPLOYABLE_STAGES)}")
             if not re.fullmatch(r"[^/\s]+/[^/\s]+", name):
-                raise ValueError(f"{stage}: {name[:200]!r} is not a deployment name; write 'flow/deployment', "
-                                 "e.g. 'vlm-stage/gpu'")
+                raise ValueError(f"{stage}: {name[:200]!r} is not a deployment name; write "
+                                 "'flow/deployment', e.g. 'vlm-stage/gpu'")
         return value
 
 
@@ -321,21 +340,25 @@ class LaunchConfig(Section):
     """How a training stage's process is started (vlmexp.launch.stage_command)."""
 
     launcher: Literal["local", "torchrun", "accelerate", "deepspeed"] = Field(
-        "local", description="local: one process; torchrun, accelerate or deepspeed: their launcher around it.")
+        "local", description="local: one process; torchrun, "
+        "accelerate or deepspeed: their launcher around it.")
     nproc_per_node: PositiveInt = Field(1, description="Processes (GPUs) per node.")
     nnodes: PositiveInt = Field(1, description="Nodes taking part.")
     node_rank: int = Field(0, ge=0, description="This node's rank, 0 to nnodes - 1.")
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node runs.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path.")
-    accelerate_config: str | None = Field(None, description="An accelerate config YAML (launcher accelerate).")
-    hostfile: str | None = Field(None, description="DeepSpeed hostfile (lines of 'host slots=N') for multi-node runs.")
+    accelerate_config: str | None = Field(None,
+                                          description="An accelerate config YAML (launcher accelerate).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile (lines of 'host slots=N') for "
+                                 "multi-node runs.")
 
     @model_validator(mode="after")
     def _multi_node(self) -> LaunchConfig:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.nnodes > 1 and self.launcher in ("torchrun", "accelerate") and not self.rdzv_endpoint:
-            raise ValueError("multi-node torchrun/accelerate needs launch.rdzv_endpoint (host:port of node 0)")
+            raise ValueError("multi-node torchrun/accelerate needs "
+                             "launch.rdzv_endpoint (host:port of node 0)")
         if self.launcher == "local" and (self.nproc_per_node > 1 or self.nnodes > 1):
             raise ValueError("launcher 'local' runs one process; use torchrun, accelerate or deepspeed")
         if self.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", self.rdzv_endpoint):
@@ -343,27 +366,32 @@ class LaunchConfig(Section):
         if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
             raise ValueError("multi-node deepspeed needs launch.hostfile (lines of 'host slots=N')")
         if self.accelerate_config and self.launcher != "accelerate":
-            raise ValueError(f"launch.accelerate_config is read by accelerate only; launcher is {self.launcher!r}")
+            raise ValueError("launch.accelerate_config is read by accelerate only; "
+                             f"launcher is {self.launcher!r}")
         return self
 
 
 class Config(Section):
-    """A whole experiment: one YAML, every stage. A config may build on others with a top-level `extends: base.yaml`
-    (or a list of files, merged in order; paths relative to the file that names them): the bases' mappings are
-    merged key by key at any depth, and the file's own values win; a list or a value replaces the base's whole
-    (write `null` to drop a base's section, e.g. `data: {demo: null, datasets: [...]}`). Dotted overrides apply
-    after the merge; errors name the file and line where each value was written, a base file's included."""
+    """A whole experiment: one YAML, every stage. A config may build on others with a top-level
+    `extends: base.yaml` (or a list of files, merged in order; paths relative to the file that names them):
+    the bases' mappings are merged key by key at any depth, and the file's own values win; a list or a value
+    replaces the base's whole (write `null` to drop a base's section, e.g.
+    `data: {demo: null, datasets: [...]}`). Dotted overrides apply after the merge; errors name the file and
+    line where each value was written, a base file's included."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="Name, output folder and seed.")
-    model: ModelConfig = Field(..., description="The model to train: a checkpoint, a hub id or tiny:<family>.")
+    model: ModelConfig = Field(...,
+                               description="The model to train: a checkpoint, a hub id or tiny:<family>.")
     data: DataConfig = Field(..., description="Training and held-out data, and the prompts.")
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig, description="Supervised fine-tuning.")
     dpo: DPOStageConfig = Field(default_factory=DPOStageConfig, description="Direct preference optimisation.")
-    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig, description="GRPO with the configured rewards.")
+    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig,
+                                  description="GRPO with the configured rewards.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the held-out records.")
-    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="How every stage generates: "
-                                         "compilation, key/value cache, prompt-length buckets.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="How every stage "
+                                         "generates: compilation, key/value cache, prompt-length buckets.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Export and registry promotion.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How training processes start.")
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Retries and where stages run.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="Retries and where stages run.")

@@ -1,4 +1,5 @@
-"""Reading a YAML file that a user wrote (a config or a data YAML): bounded, strict, and every failure a Problem.
+"""Reading a YAML file that a user wrote (a config or a data YAML): bounded, strict, and every failure a
+Problem.
 
 What is refused, each with the file (and line or byte where known) and the fix:
 - a file over MAX_YAML_BYTES (a config or data YAML holds settings and a list of sources, never records),
@@ -78,12 +79,15 @@ def parse_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         reason = getattr(e, "problem", None) or str(e)
-        raise YamlProblems([Problem(f"{where}{line}", "", f"YAML syntax error: {reason}; fix the YAML there")]) from None
+        raise YamlProblems([Problem(f"{where}{line}", "",
+                                    f"YAML syntax error: {reason}; fix the YAML there")]) from None
     except RecursionError:
-        raise YamlProblems([Problem(where, "", f"nesting too deep to read (over {MAX_DEPTH} levels of mappings "
-                                               f"and lists); flatten it")]) from None
+        raise YamlProblems([Problem(where, "",
+                                    f"nesting too deep to read (over {MAX_DEPTH} levels of mappings "
+                                    f"and lists); flatten it")]) from None
     except (ValueError, TypeError, OverflowError) as e:  # a scalar the safe constructor cannot build
-        raise YamlProblems([Problem(where, "", f"a value cannot be read ({e}); quote it to keep it as text")]) from None
+        raise YamlProblems([Problem(where, "",
+                                    f"a value cannot be read ({e}); quote it to keep it as text")]) from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -102,8 +106,8 @@ def _read_text(p: Path) -> str:
     try:
         size = p.stat().st_size
         if size > MAX_YAML_BYTES:
-            raise refuse(f"the file has {size} bytes, over the {MAX_YAML_BYTES} bytes a config or data YAML may "
-                         f"have (it holds settings and a list of sources; records go in .jsonl files)")
+            raise refuse(f"the file has {size} bytes, over the {MAX_YAML_BYTES} bytes a config or data YAML "
+                         "may have (it holds settings and a list of sources; records go in .jsonl files)")
         with p.open("rb") as f:
             data = f.read(MAX_YAML_BYTES + 1)
     except OSError as e:
@@ -118,8 +122,8 @@ def _read_text(p: Path) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise refuse(f"not UTF-8 text: byte 0x{data[e.start]:02x} at byte {e.start} cannot be decoded; save the "
-                     f"file as UTF-8", f"{p}:{_line_of(data, e.start)}") from None
+        raise refuse(f"not UTF-8 text: byte 0x{data[e.start]:02x} at byte {e.start} cannot be decoded; save "
+                     "the file as UTF-8", f"{p}:{_line_of(data, e.start)}") from None
 
 
 def _line_of(data: bytes, offset: int) -> int:
@@ -135,9 +139,9 @@ def _check_graph(p: str, root: yaml.Node) -> None:
     except _Refused as r:
         raise YamlProblems([Problem(f"{p}:{r.node.start_mark.line + 1}", "", r.message)]) from None
     if expanded - len(memo) > MAX_ALIAS_NODES:
-        problems.append(Problem(p, "", f"aliases (*name) expand the document by {expanded - len(memo)} values, "
-                                            f"over the limit of {MAX_ALIAS_NODES}; write the values out or use "
-                                            f"fewer aliases"))
+        problems.append(Problem(p, "",
+                                f"aliases (*name) expand the document by {expanded - len(memo)} values, over "
+                                f"the limit of {MAX_ALIAS_NODES}; write the values out or use fewer aliases"))
     if problems:  # in file order (the walk meets a mapping's duplicates before those nested inside it)
         raise YamlProblems(sorted(problems, key=_line_in))
 
@@ -153,7 +157,8 @@ def _expanded(node: yaml.Node, loc: Loc, memo: dict[int, int], open_: set[int], 
     if id(node) in memo:
         return memo[id(node)]
     if id(node) in open_:
-        raise _Refused(node, "an alias refers to the anchor that contains it (a recursive structure); remove it")
+        raise _Refused(node,
+                       "an alias refers to the anchor that contains it (a recursive structure); remove it")
     if len(loc) > MAX_DEPTH:
         raise _Refused(node, f"nested more than {MAX_DEPTH} levels deep; flatten the file")
     children: list[tuple[yaml.Node, Loc]] = []
@@ -163,10 +168,11 @@ def _expanded(node: yaml.Node, loc: Loc, memo: dict[int, int], open_: set[int], 
             if isinstance(key, yaml.ScalarNode):
                 first = seen.setdefault((key.tag, key.value), key)
                 if first is not key:
-                    problems.append(Problem(f"{p}:{key.start_mark.line + 1}", ".".join(map(str, (*loc, key.value))),
-                                            f"key defined twice in one mapping (lines {first.start_mark.line + 1} "
-                                            f"and {key.start_mark.line + 1}); YAML would keep only the last: "
-                                            f"remove one"))
+                    problems.append(Problem(f"{p}:{key.start_mark.line + 1}",
+                                            ".".join(map(str, (*loc, key.value))),
+                                            "key defined twice in one mapping (lines "
+                                            f"{first.start_mark.line + 1} and {key.start_mark.line + 1}); "
+                                            "YAML would keep only the last: remove one"))
             sub = (*loc, key.value if isinstance(key, yaml.ScalarNode) else "?")
             children += [(key, sub), (value, sub)]
     elif isinstance(node, yaml.SequenceNode):

@@ -8,7 +8,8 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     box, the one SFT imitates (an annotator's), while rewards and evaluation score against the solution.
 (b) "conversations": VLM-R1 JSONL and LLaMA-Factory sharegpt, {"image" or "images", "conversations": [{"from":
     "human", "value": "<image>..."}, {"from": "gpt", "value": "..."}, ...]}, optional "accu_reward_method"; a
-    LLaMA-Factory preference record adds "chosen" / "rejected" messages after a conversation ending in a user turn.
+    LLaMA-Factory preference record adds "chosen" / "rejected" messages after a conversation ending in a user
+    turn.
 (c) "easyr1": EasyR1 / geometry3k, {"problem", "answer", "images": [image, ...]}.
 (d) "pairs": preference pairs for DPO (RLAIF-V / VLFeedback style), {"image" or "images", "question" or
     "problem", "chosen", "rejected"} as strings; the solution is the chosen answer.
@@ -17,10 +18,11 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     LLaMA-Factory's "chosen" / "rejected" make it a preference record.
 (f) "prompt_completion": TRL's conversational prompt-completion, {"prompt": [messages], "completion":
     [assistant message], "images"}.
-(g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}; or its
-    implicit-prompt form, {"chosen": [messages], "rejected": [messages]} whose shared first turns are the prompt
-    (as trl.data_utils.extract_prompt reads it).
-(h) "prompt_only": TRL's prompt-only (GRPO), {"prompt": [messages], "image" or "images", "solution" or "answer"}.
+(g) "preference": TRL's conversational preference, {"prompt": [messages], "chosen", "rejected", "images"}; or
+    its implicit-prompt form, {"chosen": [messages], "rejected": [messages]} whose shared first turns are the
+    prompt (as trl.data_utils.extract_prompt reads it).
+(h) "prompt_only": TRL's prompt-only (GRPO), {"prompt": [messages], "image" or "images", "solution" or
+    "answer"}.
 (i) "alpaca": LLaMA-Factory's alpaca, {"instruction", "input", "output", "history": [[instruction, response]],
     "images"}; its preference form has "chosen" / "rejected" strings instead of "output".
 
@@ -57,7 +59,8 @@ DEFAULT_TASK = {**{fmt: "exact" for fmt in FORMATS}, "rec": "rec", "easyr1": "ma
 # against (EasyR1's `answer`; a rec record's box, from which SFT builds its target; a prompt-only record's
 # solution).
 ANSWER_TEXT = {"pairs": "chosen", "preference": "chosen", "conversations": "the last assistant turn",
-               "messages": "the last assistant turn", "prompt_completion": "the completion", "alpaca": "the output"}
+               "messages": "the last assistant turn", "prompt_completion": "the completion",
+               "alpaca": "the output"}
 # accu_reward_method values of VLM-R1 JSONL data (om-ai-lab/VLM-R1, src/open-r1-multimodal/src/open_r1/
 # grpo_jsonl.py, accuracy_reward) -> our task; the method itself travels with the record (Example.method) and
 # picks the scoring within the task (vlmexp.answers, vlmexp.detection). Any other value is refused.
@@ -67,15 +70,16 @@ ACCU_TASK = {"iou": "rec", "default": "exact", "mcq": "exact", "yes_no": "exact"
 # VLM-R1 asks a judge model for these records' scores: the `judge` reward scores them, and sampling keeps them
 # only when the config has one (vlmexp.data.sampling, `judged`)
 JUDGED_METHOD = "llm"
-NO_JUDGE = ("accu_reward_method 'llm' is scored by a judge model (VLM-R1 asks one over an OpenAI-compatible API), "
-            "and none is configured: add {name: judge, kwargs: {model: ..., endpoint: ...}} to grpo.rewards "
-            "(`vlmexp sample`: pass --judged), or map these records to another accu_reward_method")
+NO_JUDGE = ("accu_reward_method 'llm' is scored by a judge model (VLM-R1 asks one over an OpenAI-compatible "
+            "API), and none is configured: add {name: judge, kwargs: {model: ..., endpoint: ...}} to "
+            "grpo.rewards (`vlmexp sample`: pass --judged), or map these records to another "
+            "accu_reward_method")
 TASK_METHOD = {"rec": "iou", "exact": "default", "math": "math"}  # a record without accu_reward_method
 REFUSED_METHODS: dict[str, str] = {}  # methods VLM-R1 defines that vlmexp does not run, and why
 # the field names a source's `columns` mapping may produce
-FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages", "prompt",
-          "completion", "system", "instruction", "input", "output", "history", "accu_reward_method", "task", "id",
-          "chosen", "rejected", "rejected_response", "demonstration")
+FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages",
+          "prompt", "completion", "system", "instruction", "input", "output", "history", "accu_reward_method",
+          "task", "id", "chosen", "rejected", "rejected_response", "demonstration")
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,16 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
         pair = [k for k in ("chosen", "rejected") if k in has]
         if pair:
             return "preference", ["prompt", *pair]
-        return ("prompt_completion", ["prompt", "completion"]) if "completion" in has else ("prompt_only", ["prompt"])
+        return (("prompt_completion", ["prompt", "completion"]) if "completion" in has
+                else ("prompt_only", ["prompt"]))
     for key in ("messages", "conversations"):
         if key in has:
             return key, [key, *(k for k in ("chosen", "rejected", "rejected_response") if k in has)]
     if "instruction" in has:
         return "alpaca", ["instruction", *(k for k in ("output", "chosen", "rejected") if k in has)]
     if _message_list(record.get("chosen")) and _message_list(record.get("rejected")):
-        return "preference", ["chosen", "rejected"]  # TRL's implicit prompt: the turns both answers start with
+        # TRL's implicit prompt: the turns both answers start with
+        return "preference", ["chosen", "rejected"]
     if "chosen" in has or "rejected" in has:
         return "pairs", [k for k in ("chosen", "rejected") if k in has]
     if "answer" in has and "images" in has:
@@ -128,9 +134,10 @@ def formats_tried() -> str:
 
 
 def no_format(record: dict[str, Any]) -> str:
-    """Why a record fits no format: the formats it was tried against, with their fields, and its own fields."""
-    return (f"unknown record format (fields: {sorted(record)}); tried {formats_tried()}: see docs/data-formats.md, "
-            f"or map the source's columns with `columns:`")
+    """Why a record fits no format: the formats it was tried against, with their fields, and its own
+    fields."""
+    return (f"unknown record format (fields: {sorted(record)}); tried {formats_tried()}: see "
+            "docs/data-formats.md, or map the source's columns with `columns:`")
 
 
 def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None) -> Example:
@@ -157,7 +164,8 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
         images, problem, solution, parts = _conversational(record, fmt, need, tags or Tags())
     if parts["rejected"] is not None and parts["target"] is not None and \
             parts["target"].strip() == parts["rejected"].strip():
-        raise ValueError("chosen and rejected are the same answer, so the pair teaches nothing; drop the record")
+        raise ValueError("chosen and rejected are the same answer, so the pair teaches nothing; drop the "
+                         "record")
     method, task = _method_and_task(record, task, fmt)
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError("the question (problem) is empty; give each record a question")
@@ -172,8 +180,8 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
 
 
 def read_fields(record: dict[str, Any], fmt: str) -> set[str]:
-    """The fields of `record` that `parse_record` reads in format `fmt`; the record's others travel with it as the
-    SampledRecord's `extra` and reach the rewards as keyword columns (vlmexp.data.normalise)."""
+    """The fields of `record` that `parse_record` reads in format `fmt`; the record's others travel with it as
+    the SampledRecord's `extra` and reach the rewards as keyword columns (vlmexp.data.normalise)."""
     common = {"accu_reward_method", "task", "id"}
     if fmt == "pairs":
         return common | {"image", "images", "question", "problem", "chosen", "rejected"}
@@ -181,10 +189,12 @@ def read_fields(record: dict[str, Any], fmt: str) -> set[str]:
         return common | {"image", "problem", "solution", "demonstration"}
     if fmt == "easyr1":
         return common | {"images", "problem", "answer"}
-    key = {"conversations": "conversations", "messages": "messages", "alpaca": "instruction"}.get(fmt, "prompt")
+    key = {"conversations": "conversations", "messages": "messages",
+           "alpaca": "instruction"}.get(fmt, "prompt")
     graded = next((k for k in ("solution", "answer") if record.get(k) is not None), "solution")
     own = {key, graded, "images", "image", "chosen", "rejected", "rejected_response", "system"}
-    return common | own | {"prompt_completion": {"completion"}, "alpaca": {"history", "input", "output"}}.get(fmt, set())
+    return common | own | {"prompt_completion": {"completion"},
+                           "alpaca": {"history", "input", "output"}}.get(fmt, set())
 
 
 def _message_list(value: Any) -> bool:
@@ -192,10 +202,10 @@ def _message_list(value: Any) -> bool:
 
 
 def implicit_prompt(record: dict[str, Any]) -> dict[str, Any]:
-    """TRL's implicit-prompt preference record with its prompt made explicit: the turns `chosen` and `rejected`
-    both start with (trl/data_utils.py, extract_prompt), the rest of each as the answers. Not TRL's function
-    itself: sampling imports no trl/torch, and a record sharing no turn must be refused, not given an empty
-    prompt; at least one turn of each answer is left."""
+    """TRL's implicit-prompt preference record with its prompt made explicit: the turns `chosen` and
+    `rejected` both start with (trl/data_utils.py, extract_prompt), the rest of each as the answers. Not TRL's
+    function itself: sampling imports no trl/torch, and a record sharing no turn must be refused, not given an
+    empty prompt; at least one turn of each answer is left."""
     chosen, rejected = record["chosen"], record["rejected"]
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
@@ -207,50 +217,57 @@ def implicit_prompt(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 
-def _conversational(record: dict[str, Any], fmt: str, need, tags: Tags) -> tuple[list, str, Any, dict[str, Any]]:
+def _conversational(record: dict[str, Any], fmt: str, need,
+                    tags: Tags) -> tuple[list, str, Any, dict[str, Any]]:
     """(images, problem, solution, the Example's other parts) of a conversational record: the turns read by
     vlmexp.data.turns, the answer after the last user turn (or a preference record's chosen one) as SFT's
     target, a `solution` / `answer` column (else that answer) as what rewards grade."""
-    key = {"conversations": "conversations", "messages": "messages", "alpaca": "instruction"}.get(fmt, "prompt")
+    key = {"conversations": "conversations", "messages": "messages",
+           "alpaca": "instruction"}.get(fmt, "prompt")
     turns = _alpaca_turns(record, need) if fmt == "alpaca" else read_turns(need(key), key, tags)
     if fmt == "prompt_completion":
         turns = [*turns, Turn("assistant", answer_text(need("completion"), "completion", tags), 0)]
     conv: Conversation = conversation(turns, key)
     images = _as_list(record["images"] if "images" in record else record.get("image", []), "images")
     if conv.image_tags and conv.image_tags != len(images):
-        raise ValueError(f"{key} has {conv.image_tags} <image> tags but the record lists {len(images)} images ("
-                         f"`{{type: image}}` parts count as tags); make them match")
+        raise ValueError(f"{key} has {conv.image_tags} <image> tags but the record lists {len(images)} "
+                         "images (`{type: image}` parts count as tags); make them match")
     chosen_key = "chosen" if "chosen" in record else None
     rejected_key = next((k for k in ("rejected", "rejected_response") if k in record), None)
     if fmt == "preference" or chosen_key or rejected_key:
         if fmt == "preference" or chosen_key:
             if conv.answer is not None:
-                raise ValueError(f"field {key!r} ends in an assistant turn but the record also has `chosen`; a "
-                                 f"preference record's conversation ends in the user turn the answers reply to")
+                raise ValueError(f"field {key!r} ends in an assistant turn but the record also has `chosen`; "
+                                 "a preference record's conversation ends in the user turn the answers reply "
+                                 "to")
             target = answer_text(need("chosen"), "chosen", tags)
         else:
             target = conv.answer
         rejected = answer_text(need(rejected_key or "rejected"), rejected_key or "rejected", tags)
         if target is None:
-            raise ValueError(f"a preference record needs the chosen answer: the last turn of {key!r} or `chosen`")
+            raise ValueError(f"a preference record needs the chosen answer: the last turn of {key!r} or "
+                             "`chosen`")
     else:
         target, rejected = conv.answer, None
     solution = next((record[k] for k in ("solution", "answer") if record.get(k) is not None), target)
     if solution is None:
-        raise ValueError(f"no answer to grade: {key!r} ends in a user turn and the record has no `solution` or "
-                         f"`answer`; add the answer column (GRPO grades against it), or map it with `columns:`")
+        raise ValueError(f"no answer to grade: {key!r} ends in a user turn and the record has no `solution` "
+                         "or `answer`; add the answer column (GRPO grades against it), or map it with "
+                         "`columns:`")
     problem = conv.problem
-    system = record.get("system") if conv.system is None and isinstance(record.get("system"), str) else conv.system
+    system = (record.get("system") if conv.system is None and isinstance(record.get("system"), str)
+              else conv.system)
     return images, problem, solution, {"rejected": rejected, "demonstration": None, "target": target,
                                        "system": system, "history": conv.history}
 
 
 def _alpaca_turns(record: dict[str, Any], need) -> list[Turn]:
     """An alpaca record's turns as LLaMA-Factory builds them (src/llamafactory/data/converter.py,
-    AlpacaDatasetConverter): the `history` pairs, then `instruction` and `input` joined by a newline as the user
-    turn, then `output` (absent in a preference record, whose answers are `chosen` / `rejected`)."""
+    AlpacaDatasetConverter): the `history` pairs, then `instruction` and `input` joined by a newline as the
+    user turn, then `output` (absent in a preference record, whose answers are `chosen` / `rejected`)."""
     history = record.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):
+    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2
+                                                for h in history):
         raise ValueError("field 'history' must list [instruction, response] pairs")
     texts = []
     for instruction, response in history:
@@ -268,8 +285,9 @@ def _method_and_task(record: dict[str, Any], task: str | None, fmt: str) -> tupl
     task = record.get("task") if record.get("task") in TASKS else task
     task = task or ACCU_TASK.get(method or "") or DEFAULT_TASK[fmt]
     if method is not None and ACCU_TASK[method] != task:
-        raise ValueError(f"accu_reward_method {method!r} scores task {ACCU_TASK[method]!r}, but this record's task "
-                         f"is {task!r} (the source's or the record's `task`); drop the `task` or change the method")
+        raise ValueError(f"accu_reward_method {method!r} scores task {ACCU_TASK[method]!r}, but this "
+                         f"record's task is {task!r} (the source's or the record's `task`); drop the `task` "
+                         "or change the method")
     method = method or TASK_METHOD.get(task)
     if method is None and task != "exact":
         raise ValueError(f"a {task} record needs accu_reward_method, one of "
@@ -283,13 +301,14 @@ def _boxes(record: dict[str, Any], solution: Any) -> tuple[list[float], list[flo
 
     box = parse_box(solution)
     if box is None:
-        raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original pixels")
+        raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original "
+                         "pixels")
     if record.get("demonstration") is None:
         return box, None
     shown = parse_box(record["demonstration"])
     if shown is None:
-        raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, x2, y2] "
-                         "in original pixels or drop the field")
+        raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, "
+                         "x2, y2] in original pixels or drop the field")
     return box, shown
 
 
@@ -333,8 +352,8 @@ def _as_list(value: Any, key: str) -> list[Any]:
     items = value if isinstance(value, list) else [value]
     if not all(is_image_value(v) for v in items):
         bad = next(v for v in items if not is_image_value(v))
-        raise ValueError(f"field {key!r} must be an image (a path, a {{bytes, path}} struct, bytes or a PIL image) or "
-                         f"a list of them, got {type(bad).__name__} {describe(bad)}")
+        raise ValueError(f"field {key!r} must be an image (a path, a {{bytes, path}} struct, bytes or a PIL "
+                         f"image) or a list of them, got {type(bad).__name__} {describe(bad)}")
     return items
 
 
@@ -344,5 +363,6 @@ def _strip_image_tags(text: Any, images: int, what: str) -> Any:
         return text
     tags = text.count("<image>")
     if tags and tags != images:
-        raise ValueError(f"{what} has {tags} <image> tags but the record lists {images} images; make them match")
+        raise ValueError(f"{what} has {tags} <image> tags but the record lists {images} images; make them "
+                         "match")
     return text.replace("<image>", "").strip()

@@ -56,7 +56,8 @@ def read_example(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
 
 
 def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, image_root: str | None,
-              store: ImageStore, origin: Origin, tags: Tags | None = None) -> tuple[SampledRecord, int] | Problem:
+              store: ImageStore, origin: Origin,
+              tags: Tags | None = None) -> tuple[SampledRecord, int] | Problem:
     """(the SampledRecord, how many of its images were embedded) or the record's first problem; `tags`: how a
     LLaMA-Factory source names message keys and roles."""
     try:
@@ -79,11 +80,11 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
     refs = [str(Path(p).relative_to(store.folder.parent)) if e and store.folder is not None
             else p if e else (r.get("path") if isinstance(r, dict) else r)
             for p, e, r in zip(paths, embedded, ex.images)]
-    return SampledRecord(task=ex.task, method=ex.method, problem=ex.problem, solution=ex.solution, images=paths,
-                         image_sizes=sizes, image_refs=refs, source=origin.source, source_id=origin.source_id,
-                         source_row=origin.row, record_format=fmt, id=ex.id, system=ex.system,
-                         history=ex.history, target=ex.target, demonstration=ex.demonstration,
-                         rejected=ex.rejected, extra=extra), sum(embedded)
+    return SampledRecord(task=ex.task, method=ex.method, problem=ex.problem, solution=ex.solution,
+                         images=paths, image_sizes=sizes, image_refs=refs, source=origin.source,
+                         source_id=origin.source_id, source_row=origin.row, record_format=fmt, id=ex.id,
+                         system=ex.system, history=ex.history, target=ex.target,
+                         demonstration=ex.demonstration, rejected=ex.rejected, extra=extra), sum(embedded)
 
 
 def _binary(value: Any) -> bool:
@@ -95,9 +96,9 @@ def _binary(value: Any) -> bool:
 
 
 def source_extra(record: dict[str, Any], fmt: str) -> dict[str, Any] | Problem:
-    """The record's fields its format does not read (`read_fields`), which rewards receive as keyword columns as
-    TRL passes every column: JSON values as written; embedded images and bytes left out (a sampled record holds
-    images as paths). A field of another type, or named as one of vlmexp's own columns, is a Problem."""
+    """The record's fields its format does not read (`read_fields`), which rewards receive as keyword columns
+    as TRL passes every column: JSON values as written; embedded images and bytes left out (a sampled record
+    holds images as paths). A field of another type, or named as one of vlmexp's own columns, is a Problem."""
     extra = {}
     for name in sorted(set(record) - read_fields(record, fmt)):
         value = record[name]
@@ -106,10 +107,10 @@ def source_extra(record: dict[str, Any], fmt: str) -> dict[str, Any] | Problem:
         try:
             json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError) as e:
-            return Problem("", name, f"field {name!r} holds {type(value).__name__} {describe(value)}, which a sampled "
-                           f"record cannot store as JSON ({e}), so rewards could not receive it as a column; convert "
-                           f"it to strings, numbers, lists or objects in the source (e.g. datasets' `map` then "
-                           f"`save_to_disk`, which vlmexp reads)")
+            return Problem("", name, f"field {name!r} holds {type(value).__name__} {describe(value)}, which "
+                           f"a sampled record cannot store as JSON ({e}), so rewards could not receive it as "
+                           "a column; convert it to strings, numbers, lists or objects in the source (e.g. "
+                           "datasets' `map` then `save_to_disk`, which vlmexp reads)")
         extra[name] = value
     if (found := clash(extra)) is not None:
         return Problem("", *found)

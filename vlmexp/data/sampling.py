@@ -2,9 +2,9 @@
 
 Rows are selected first (vlmexp.data.strategies), then only the kept rows are read, checked and normalised
 into SampledRecords (vlmexp.data.normalise): fields, images (exist, readable, sane size; embedded ones
-written once under `images/` beside the output file), boxes (finite, x1 < x2, y1 < y2, inside the image). All problems are reported at once; on any problem
-nothing is written (images written by this call are removed again). Output is written to a temporary file
-and renamed, so a file is complete or absent.
+written once under `images/` beside the output file), boxes (finite, x1 < x2, y1 < y2, inside the image). All
+problems are reported at once; on any problem nothing is written (images written by this call are removed
+again). Output is written to a temporary file and renamed, so a file is complete or absent.
 
 The random pick of a source is seeded by the run seed and the source's content (sha256 of its files, or its
 dataset fingerprint), never its path, and the manifest's `content_sha256` leaves absolute paths out: the
@@ -50,7 +50,8 @@ class SourceReport:
     embedded_images: int = 0
     detected_by: list[str] = field(default_factory=list)  # the fields that decided record_format
     dataset: str | None = None  # the dataset of a LLaMA-Factory folder (its dataset_info.json entry)
-    own_columns: list[str] = field(default_factory=list)  # the source's fields the rewards receive besides vlmexp's
+    # the source's fields the rewards receive besides vlmexp's
+    own_columns: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -118,7 +119,8 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
         found = found or detect_format(record)
         if found is None:
             raise DataError(Problem(where, "", no_format(record)))
-        kept = normalise(record, found[0], src.task, where, image_root, store, Origin(table.name, identity, i), tags)
+        kept = normalise(record, found[0], src.task, where, image_root, store,
+                         Origin(table.name, identity, i), tags)
         if isinstance(kept, Problem):
             problems.append(kept)
             continue
@@ -128,16 +130,18 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
         tasks.add(kept[0].task)
         embedded += kept[1]
         out.append(kept[0])
-    report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy, found[0] if found else "",
-                          ",".join(sorted(tasks)) or (src.task or ""), image_root, len(table), len(out), kind,
-                          table.identity.get("fingerprint"), table.identity.get("revision"), src.columns, embedded,
-                          found[1] if found else [], named.dataset, source_column_names(out))
+    report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy,
+                          found[0] if found else "", ",".join(sorted(tasks)) or (src.task or ""), image_root,
+                          len(table), len(out), kind, table.identity.get("fingerprint"),
+                          table.identity.get("revision"), src.columns, embedded, found[1] if found else [],
+                          named.dataset, source_column_names(out))
     return out, report, problems
 
 
-def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int, judged: bool = False) -> SampleResult:
-    """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically; `judged`: a
-    judge reward will score records of the `llm` method (`sample_source`)."""
+def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int,
+                   judged: bool = False) -> SampleResult:
+    """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically; `judged`:
+    a judge reward will score records of the `llm` method (`sample_source`)."""
     out = Path(out_path)
     store = ImageStore(out.parent / IMAGES_DIR)
     try:
@@ -147,7 +151,8 @@ def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int, j
         raise
 
 
-def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageStore, judged: bool) -> SampleResult:
+def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageStore,
+                 judged: bool) -> SampleResult:
     records, reports, problems = [], [], []
     for src in sources:
         try:
@@ -159,20 +164,22 @@ def _sample_into(sources: list[DataSource], out: Path, seed: int, store: ImageSt
         reports.append(report)
         problems += probs
     if problems:
-        raise DataError(problems[:MAX_PROBLEMS] + ([Problem("", "", f"... {len(problems) - MAX_PROBLEMS} more")]
-                                                   if len(problems) > MAX_PROBLEMS else []))
+        raise DataError(problems[:MAX_PROBLEMS]
+                        + ([Problem("", "", f"... {len(problems) - MAX_PROBLEMS} more")]
+                           if len(problems) > MAX_PROBLEMS else []))
     manifest_path = out.with_name(out.name.removesuffix(".jsonl") + ".manifest.json")
     atomic_write(out, "".join(r.to_json() + "\n" for r in records))
     digest, content = sha256_file(out), content_sha256(records)
-    manifest: dict[str, Any] = {"schema": SCHEMA_VERSION, "seed": seed, "rows": len(records), "records_sha256": digest,
-                                "content_sha256": content, "sources": [asdict(r) for r in reports]}
+    manifest: dict[str, Any] = {"schema": SCHEMA_VERSION, "seed": seed, "rows": len(records),
+                                "records_sha256": digest, "content_sha256": content,
+                                "sources": [asdict(r) for r in reports]}
     atomic_write(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return SampleResult(out, manifest_path, reports, seed, digest, len(records), content, list(store.written))
 
 
 def format_report(result: SampleResult, explain: bool = False) -> str:
-    """The per-source count table `vlmexp sample` prints; `explain` adds why each source was read as its format
-    (the fields that decided it) and the columns it was renamed with."""
+    """The per-source count table `vlmexp sample` prints; `explain` adds why each source was read as its
+    format (the fields that decided it) and the columns it was renamed with."""
     rows = [("source", "format", "task", "strategy", "read", "kept")]
     rows += [(s.json_path if s.kind == "hub" else Path(s.json_path).name, s.record_format, s.task,
               s.sampling_strategy, str(s.rows_read), str(s.rows_kept)) for s in result.sources]
@@ -183,7 +190,8 @@ def format_report(result: SampleResult, explain: bool = False) -> str:
         return table
     from vlmexp.data.formats import formats_tried
 
-    return "\n".join([table, "", f"formats, tried in this order on each source's first record: {formats_tried()}",
+    return "\n".join([table, "",
+                      f"formats, tried in this order on each source's first record: {formats_tried()}",
                       *(explain_source(s) for s in result.sources)])
 
 
@@ -194,8 +202,10 @@ def explain_manifest(manifest_path: str | Path) -> list[str]:
 
 
 def explain_source(s: SourceReport) -> str:
-    """Why a source was read as its format: the fields that decided it, the columns and dataset that named them."""
-    line = f"{s.json_path}: read as {s.record_format!r} because its first record has {', '.join(s.detected_by)}"
+    """Why a source was read as its format: the fields that decided it, the columns and dataset that named
+    them."""
+    line = (f"{s.json_path}: read as {s.record_format!r} because its first record has "
+            f"{', '.join(s.detected_by)}")
     if s.dataset:
         line += f"; LLaMA-Factory dataset {s.dataset!r}"
     if s.columns:

@@ -20,7 +20,8 @@ __all__ = ["BUDGET_KNOBS", "FAMILIES", "TINY_PREFIX", "BoxFrame", "Family", "Fam
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (*QWEN_FAMILIES, INTERNVL)}
 
-FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]  # the config's `model.family` values, from FAMILIES
+# the config's `model.family` values, from FAMILIES
+FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
 TINY_PREFIX = "tiny:"
 
 
@@ -43,7 +44,8 @@ def detect_family(model_path: str | Path) -> Family:
             f"a hub id, or 'tiny:<family>'"
         )
     model_type = json.loads(config_file.read_text()).get("model_type")
-    hints = [f.refused_model_types[model_type] for f in FAMILIES.values() if model_type in f.refused_model_types]
+    hints = [f.refused_model_types[model_type] for f in FAMILIES.values()
+             if model_type in f.refused_model_types]
     if hints:
         raise ValueError(f"{config_file}: model_type {model_type!r} is not supported: {hints[0]}")
     if model_type not in FAMILIES:

@@ -23,23 +23,26 @@ class Family:
     processor_class: str  # the processor real checkpoints declare
     box_frame: BoxFrame  # "pixels": absolute pixels of the resized image; "grid1000": 0-1000 of the original
     image_token: str  # the placeholder the processor repeats once per image feature
-    vision_tokens: tuple[str, ...]  # image/video markers a completion must never contain (suppressed in generate)
-    vision_module: str  # the vision tower's parameter names contain this (freeze_vision; QLoRA leaves it unquantised)
-    projector_module: str  # ... the projector's, between vision tower and language model (freeze_merger); checked first
+    # image/video markers a completion must never contain (suppressed in generate)
+    vision_tokens: tuple[str, ...]
+    # the vision tower's parameter names contain this (freeze_vision; QLoRA leaves it unquantised)
+    vision_module: str
+    # ... the projector's, between vision tower and language model (freeze_merger); checked first
+    projector_module: str
     # the model.* image-budget fields this family reads (BUDGET_KNOBS); the others are refused for it
     budget_knobs: ClassVar[tuple[str, ...]] = ()
     # other `model_type`s of this family's models that vlmexp does not load, and what to use instead
     refused_model_types: ClassVar[dict[str, str]] = {}
 
-    # ---- prompts --------------------------------------------------------------------------------------------
+    # ---- prompts -------------------------------------------------------------------------------------------
     def chat_template(self) -> str:
         """The family's original chat template (the embedded model ships it)."""
         raise NotImplementedError
 
-    # ---- processor and image budget -------------------------------------------------------------------------
+    # ---- processor and image budget ------------------------------------------------------------------------
     def images_only_processor(self) -> type:
-        """The family's processor class without a video processor (which needs torchvision), saving itself under
-        `processor_class` so AutoProcessor loads the folder where torchvision exists."""
+        """The family's processor class without a video processor (which needs torchvision), saving itself
+        under `processor_class` so AutoProcessor loads the folder where torchvision exists."""
         raise NotImplementedError
 
     def set_image_budget(self, processor, knobs: dict[str, int]) -> None:
@@ -65,12 +68,13 @@ class Family:
     layout_name: ClassVar[str] = ""  # what a layout is called in the guard's messages ("grid", "tiles")
 
     def image_layout(self, image_sizes, budget):
-        """The tensor that describes a sample's images in a training batch, as the processor makes it for images
-        of `image_sizes` ([[w, h], ...]); equal layouts mean the same pixel rows and image tokens."""
+        """The tensor that describes a sample's images in a training batch, as the processor makes it for
+        images of `image_sizes` ([[w, h], ...]); equal layouts mean the same pixel rows and image tokens."""
         raise NotImplementedError
 
     def batch_layouts(self, batch: dict[str, Any], num_images: list[int]):
-        """Each sample's layout in a batch reaching the loss (`image_layout`'s form), or None when it has none."""
+        """Each sample's layout in a batch reaching the loss (`image_layout`'s form), or None when it has
+        none."""
         raise NotImplementedError
 
     def layout_rows(self, layout) -> int:
@@ -81,13 +85,15 @@ class Family:
         """`image_token` placeholders a layout puts in the prompt."""
         raise NotImplementedError
 
-    # ---- the embedded model (vlmexp.tiny) -------------------------------------------------------------------
+    # ---- the embedded model (vlmexp.tiny) ------------------------------------------------------------------
     special_tokens: ClassVar[tuple[str, ...]] = ()  # added as special tokens to the tiny tokenizer, in order
     extra_tokens: ClassVar[tuple[str, ...]] = ()  # added as plain tokens, as the real tokenizers do
-    named_tokens: ClassVar[dict[str, str]] = {}  # tokenizer attributes the processor reads (start_image_token, ...)
+    # tokenizer attributes the processor reads (start_image_token, ...)
+    named_tokens: ClassVar[dict[str, str]] = {}
 
     def tiny_config(self, spec, tokenizer):
-        """A transformers config of the family at `spec`'s sizes (vlmexp.tiny.TinySpec), wired to the tokenizer."""
+        """A transformers config of the family at `spec`'s sizes (vlmexp.tiny.TinySpec), wired to the
+        tokenizer."""
         raise NotImplementedError
 
     def tiny_image_processor(self, spec):
@@ -99,9 +105,10 @@ class Family:
         return self.images_only_processor()(image_processor=image_processor, tokenizer=tokenizer,
                                             chat_template=tokenizer.chat_template)
 
-    # ---- shared behaviour -----------------------------------------------------------------------------------
+    # ---- shared behaviour ----------------------------------------------------------------------------------
     def check_budget_knobs(self, knobs: dict[str, int | None]) -> dict[str, int]:
-        """The knobs that are set, all of them this family's; ValueError naming the field and the fix otherwise."""
+        """The knobs that are set, all of them this family's; ValueError naming the field and the fix
+        otherwise."""
         given = {k: v for k, v in knobs.items() if v is not None}
         if wrong := [k for k in given if k not in self.budget_knobs]:
             raise ValueError(
@@ -120,12 +127,14 @@ class Family:
 
 
 def tiny_text_config(spec, tokenizer, eos: str, pad: str) -> dict:
-    """The embedded model's text config at `spec`'s sizes (vlmexp.tiny.TinySpec): a Qwen2-style decoder, as every
-    family here has, wired to the tokenizer's `eos` and `pad` tokens. `layer_types` has one entry per layer: transformers 5 reads it, and a
-    list left from another depth fails the first forward with IndexError in the attention layer."""
+    """The embedded model's text config at `spec`'s sizes (vlmexp.tiny.TinySpec): a Qwen2-style decoder, as
+    every family here has, wired to the tokenizer's `eos` and `pad` tokens. `layer_types` has one entry per
+    layer: transformers 5 reads it, and a list left from another depth fails the first forward with IndexError
+    in the attention layer."""
     vocab = spec.model_vocab_size or -(-len(tokenizer) // 64) * 64  # rounded up to 64, as real checkpoints do
     if vocab < len(tokenizer):
-        raise ValueError(f"model_vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens: raise it")
+        raise ValueError(f"model_vocab_size {vocab} is below the tokenizer's "
+                         f"{len(tokenizer)} tokens: raise it")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (eos, pad)}
     return dict(
         vocab_size=vocab,

@@ -1,4 +1,5 @@
-"""The Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): pixel budget, processor, chat template, embedded model.
+"""The Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): pixel budget, processor, chat template, embedded
+model.
 
 Images are resized by smart_resize to multiples of patch_size x merge_size with an area between min_pixels
 and max_pixels (model.min_pixels / model.max_pixels); each merge_size x merge_size block of patches becomes
@@ -43,7 +44,8 @@ class PixelBudget:
 
 @dataclass(frozen=True)
 class QwenVLFamily(Family):
-    chat_template_file: str = "qwen2_5_vl.jinja"  # under trl/chat_templates (the official template, shipped by TRL)
+    # under trl/chat_templates (the official template, shipped by TRL)
+    chat_template_file: str = "qwen2_5_vl.jinja"
     patch_size: int = 14
     tool_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
@@ -133,15 +135,15 @@ class QwenVLFamily(Family):
             **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if self.name == "qwen3_vl" else {}))
 
     def tiny_config(self, spec, tokenizer):
-        """Every depth-dependent list (text `layer_types`, vision full-attention blocks) is derived here from the
-        depth, never left from another depth (a stale list crashed the first forward at the 3B depth)."""
+        """Every depth-dependent list (text `layer_types`, vision full-attention blocks) is derived here from
+        the depth, never left from another depth (a stale list crashed the first forward at the 3B depth)."""
         import transformers
 
         text = tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
         if self.name != "qwen3_vl" and head_dim * spec.num_heads != spec.hidden_size:
-            raise ValueError(f"{self.name} needs hidden_size = num_heads x head_dim; got {spec.hidden_size} != "
-                             f"{spec.num_heads} x {head_dim}: change hidden_size or num_heads")
+            raise ValueError(f"{self.name} needs hidden_size = num_heads x head_dim; got {spec.hidden_size} "
+                             f"!= {spec.num_heads} x {head_dim}: change hidden_size or num_heads")
         half = head_dim // 2  # mrope_section (t, h, w) must sum to head_dim / 2
         mrope = list(spec.mrope_section or (half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8))
         if sum(mrope) != half:
@@ -163,20 +165,23 @@ class QwenVLFamily(Family):
                           intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
                           out_hidden_size=spec.hidden_size, num_position_embeddings=256,
                           deepstack_visual_indexes=[spec.vision_depth - 1])
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                                "<|vision_end|>")}
+        ids = {t: tokenizer.convert_tokens_to_ids(t)
+               for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
         config_class = getattr(transformers, self.model_class.replace("ForConditionalGeneration", "Config"))
         return config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=spec.tie_word_embeddings)
+                            video_token_id=ids["<|video_pad|>"],
+                            vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"],
+                            tie_word_embeddings=spec.tie_word_embeddings)
 
 
 @cache
 def _images_only_class(processor_class: str) -> type:
     """A subclass of a Qwen-VL processor whose only sub-processors are image processor and tokenizer.
 
-    Transformers' Qwen-VL processors also load a video processor, which needs torchvision; ProcessorMixin reads
-    the sub-processors from `__init__`'s signature, so this one takes (image_processor, tokenizer, chat_template).
+    Transformers' Qwen-VL processors also load a video processor, which needs torchvision; ProcessorMixin
+    reads the sub-processors from `__init__`'s signature, so this one takes (image_processor, tokenizer,
+    chat_template).
     """
     import transformers
 
@@ -185,14 +190,16 @@ def _images_only_class(processor_class: str) -> type:
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-    return type(f"ImagesOnly{processor_class}", (base,), {"__init__": __init__, **saved_as(processor_class, base)})
+    return type(f"ImagesOnly{processor_class}", (base,),
+                {"__init__": __init__, **saved_as(processor_class, base)})
 
 
 def saved_as(processor_class: str, base: type) -> dict[str, Any]:
     """`to_dict` and `save_pretrained` for an images-only subclass of `base`: the folder it writes names
-    `processor_class` (processor_config.json and tokenizer_config.json), so AutoProcessor loads it, and holds the
-    image processor's own preprocessor_config.json too, as released checkpoints do (where torchvision exists,
-    AutoProcessor also builds the video processor, from that file when the folder has no video config)."""
+    `processor_class` (processor_config.json and tokenizer_config.json), so AutoProcessor loads it, and holds
+    the image processor's own preprocessor_config.json too, as released checkpoints do (where torchvision
+    exists, AutoProcessor also builds the video processor, from that file when the folder has no video
+    config)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = base.to_dict(self)
@@ -213,7 +220,8 @@ _VISION = dict(image_token="<|image_pad|>", vision_module="visual.", projector_m
                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
 QWEN_FAMILIES = (
     QwenVLFamily("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "grid1000", **_VISION),
-    QwenVLFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "pixels", **_VISION),
+    QwenVLFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "pixels",
+                 **_VISION),
     QwenVLFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "grid1000", **_VISION,
                  chat_template_file="qwen3_vl.jinja", patch_size=16,
                  tool_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",

@@ -37,7 +37,8 @@ INTERRUPT_CODES = (129, 130, 143, -1, -2, -15)  # exit codes of a process ended 
 # (shell and Popen forms)
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 # torchrun's last line when a signal stopped it (it exits 1): torch.distributed.elastic's SignalException
-_LAUNCHER_SIGNALLED = re.compile(r"SignalException: Process \d+ got signal: (1|2|3|15|SIG(HUP|INT|QUIT|TERM))\b")
+_LAUNCHER_SIGNALLED = re.compile(r"SignalException: Process \d+ got signal: "
+                                 r"(1|2|3|15|SIG(HUP|INT|QUIT|TERM))\b")
 STOP_GRACE = 15.0  # seconds a stopped stage has to end before every process of it is killed
 
 _stops: list[int] = []  # the stop signals this process received, first first
@@ -56,8 +57,9 @@ def stop_signal() -> int | None:
 def stop_outside_a_stage(signum: int, frame) -> None:
     """The command's handler for a stop signal where no stage runs: the first raises KeyboardInterrupt (the
     pipeline closes its runs and exits 128 + the signal). A second one, typically a double Ctrl-C that came
-    while the stage was being stopped, lets that closing finish (a second or so: the Prefect flow run Cancelled,
-    the MLflow runs KILLED) instead of breaking into it and leaving the run Crashed; a third raises anyway."""
+    while the stage was being stopped, lets that closing finish (a second or so: the Prefect flow run
+    Cancelled, the MLflow runs KILLED) instead of breaking into it and leaving the run Crashed; a third raises
+    anyway."""
     note_stop(signum)
     if len(_stops) == 2:
         os.write(2, b"stopping: recording the stop in Prefect and MLflow; a further signal leaves without\n")
@@ -186,7 +188,8 @@ def _passing_stops_to(proc: subprocess.Popen, known: list) -> Iterator[None]:
         _signal_all(known, "kill")
 
     def stop(signum, frame) -> None:
-        known.extend(_descendants(proc))  # before the launcher goes: its workers may be in sessions of their own
+        # before the launcher goes: its workers may be in sessions of their own
+        known.extend(_descendants(proc))
         first = stop_signal() is None
         note_stop(signum)
         if not first:
@@ -212,9 +215,10 @@ def _passing_stops_to(proc: subprocess.Popen, known: list) -> Iterator[None]:
 def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str], None], tail: int = 40,
                   cwd: str | Path | None = None, progress_every: float = 30.0) -> None:
     """Run `cmd` in a session of its own tied to this process, passing its output lines (stdout and stderr
-    merged) to `on_line`, progress bar redraws at a readable rate (`ProgressLines`); raise StageFailed with the
-    exit code and the last `tail` lines shown when it fails, StageInterrupted when a signal stopped it (this
-    process's, passed on, or one sent to the stage itself). Nothing starts once this process is stopping."""
+    merged) to `on_line`, progress bar redraws at a readable rate (`ProgressLines`); raise StageFailed with
+    the exit code and the last `tail` lines shown when it fails, StageInterrupted when a signal stopped it
+    (this process's, passed on, or one sent to the stage itself). Nothing starts once this process is
+    stopping."""
     if stop_signal() is not None:
         raise StageInterrupted(f"{' '.join(cmd[:3])} ... not started: stopping ({stopped_by(stop_signal())})")
     last: collections.deque[str] = collections.deque(maxlen=tail)
@@ -242,11 +246,12 @@ def run_streaming(cmd: list[str], env: Mapping[str, str], on_line: Callable[[str
     except BaseException:  # an error, or a stop raised where the handlers above could not go (another thread)
         stop_process_tree(proc, known=known)
         raise
-    signalled = stop_signal() is not None or rc in INTERRUPT_CODES or any(map(_LAUNCHER_SIGNALLED.search, last))
+    signalled = (stop_signal() is not None or rc in INTERRUPT_CODES
+                 or any(map(_LAUNCHER_SIGNALLED.search, last)))
     if signalled:
         stop_process_tree(proc, known=known)  # the launcher is gone; its workers may not be
         here = f"{stopped_by(stop_signal())} here, passed on; " if stop_signal() is not None else ""
-        raise StageInterrupted(f"{' '.join(cmd[:3])} ... was stopped by a signal ({here}exit code {rc}); last "
-                               "lines:\n" + "\n".join(last))
+        raise StageInterrupted(f"{' '.join(cmd[:3])} ... was stopped by a signal ({here}exit code {rc}); "
+                               "last lines:\n" + "\n".join(last))
     if rc != 0:
         raise StageFailed(f"{' '.join(cmd[:3])} ... exited with code {rc}; last lines:\n" + "\n".join(last))

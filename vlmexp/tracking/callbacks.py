@@ -23,7 +23,8 @@ class CheckpointModels(TrainerCallback):
 
     def __init__(self, run: StageRun):
         self.run = run
-        self.keys: dict[int, set[str]] = {}  # step -> metric keys the Trainer logged at it (the last few steps)
+        # step -> metric keys the Trainer logged at it (the last few steps)
+        self.keys: dict[int, set[str]] = {}
         self._client = self._experiment = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -34,7 +35,8 @@ class CheckpointModels(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.log_model(Path(args.output_dir) / f"checkpoint-{state.global_step}", "checkpoint", state.global_step)
+            self.log_model(Path(args.output_dir) / f"checkpoint-{state.global_step}", "checkpoint",
+                           state.global_step)
 
     def log_final(self, folder: Path, step: int) -> None:
         self.log_model(folder, "final", step)
@@ -57,14 +59,14 @@ class CheckpointModels(TrainerCallback):
                 if gone:
                     log.info("step %d: removed the MLflow models of rotated-away %s", step, ", ".join(gone))
         except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
-            log.warning("step %d: %s not logged as an MLflow model, store unreachable (%s); training goes on", step,
-                        folder, str(e).splitlines()[0][:300])
+            log.warning("step %d: %s not logged as an MLflow model, store unreachable (%s); training goes on",
+                        step, folder, str(e).splitlines()[0][:300])
 
 
 class HeadlineMetrics(TrainerCallback):
-    """The stage's reward, also as `Summary/reward` (GRPO) or `Summary/reward_margin` (DPO): the first chart of the
-    run page (vlmexp.tracking.tracker.HEADLINE). It runs before MLflowCallback and adds the key to what that
-    logs; trainer_state.json keeps the Trainer's own keys only."""
+    """The stage's reward, also as `Summary/reward` (GRPO) or `Summary/reward_margin` (DPO): the first chart
+    of the run page (vlmexp.tracking.tracker.HEADLINE). It runs before MLflowCallback and adds the key to what
+    that logs; trainer_state.json keeps the Trainer's own keys only."""
 
     def __init__(self, stage: str):
         from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD

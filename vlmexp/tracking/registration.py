@@ -1,13 +1,13 @@
-"""How an exported model is registered in MLflow: by copy (its files uploaded into MLflow's artifact store) or by
-reference (the registered version points at files that stay where they are). Large models default to a
+"""How an exported model is registered in MLflow: by copy (its files uploaded into MLflow's artifact store) or
+by reference (the registered version points at files that stay where they are). Large models default to a
 reference: uploading a 3B model in bf16 (about 7 GB) through a tracking server is slow and a known source of
 timeouts, and on a shared output folder the files are already where every machine can read them.
 
-`plan_registration` decides (`export.registration`, `export.copy_max_gib`) and the export's manifest.json records
-the plan; `reference_target` gives a version by reference files that stay as registered: a snapshot of the export
-under `<output_dir>/registered/<model id>/` made of hard links (no bytes copied; the next export replaces
-`export/` with new files and leaves the snapshot's alone), or `export.reference_uri`, which must already hold this
-export (its manifest.json, byte for byte).
+`plan_registration` decides (`export.registration`, `export.copy_max_gib`) and the export's manifest.json
+records the plan; `reference_target` gives a version by reference files that stay as registered: a snapshot of
+the export under `<output_dir>/registered/<model id>/` made of hard links (no bytes copied; the next export
+replaces `export/` with new files and leaves the snapshot's alone), or `export.reference_uri`, which must
+already hold this export (its manifest.json, byte for byte).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def plan_registration(export: ExportConfig, folder: str | Path) -> dict[str, Any
 
 def reference_target(folder: str | Path, model_id: str, reference_uri: str | None) -> str:
     """The URI a version registered by reference points at: `reference_uri` once it is checked to hold this
-    export, else the file URI of a hard-linked snapshot of `folder` under `<output_dir>/registered/<model_id>/`."""
+    export, else the file URI of a hard-linked snapshot of `folder` under
+    `<output_dir>/registered/<model_id>/`."""
     folder = Path(folder).resolve()
     if reference_uri:
         check_reference(folder, reference_uri)
@@ -59,10 +60,12 @@ def reference_target(folder: str | Path, model_id: str, reference_uri: str | Non
                 shutil.copytree(folder, tmp, copy_function=os.link, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns(MARKER))
         except OSError as e:
-            raise ConfigError(Problem("export.registration", "", f"registering by reference keeps each version's "
-                                      f"files as hard links under {snapshot.parent}, which failed ({e}); this "
-                                      "filesystem may not support hard links: set export.registration: copy, or "
-                                      "export.reference_uri to where a copy of the export lives", "reference")) from e
+            raise ConfigError(Problem("export.registration", "",
+                                      "registering by reference keeps each version's files as hard links "
+                                      f"under {snapshot.parent}, which failed ({e}); this filesystem may not "
+                                      "support hard links: set export.registration: copy, or "
+                                      "export.reference_uri to where a copy of the export lives",
+                                      "reference")) from e
     return snapshot.as_uri()
 
 
@@ -81,6 +84,7 @@ def check_reference(folder: Path, uri: str) -> None:
         else:
             why = "it differs from this export's"
     if there != (folder / "manifest.json").read_bytes():
-        raise ConfigError(Problem("export.reference_uri", "", f"{uri}/manifest.json is not this export's manifest "
-                                  f"({why}): copy {folder} there first, or leave export.reference_uri unset to "
-                                  "register a snapshot in the output folder", uri))
+        raise ConfigError(Problem("export.reference_uri", "",
+                                  f"{uri}/manifest.json is not this export's manifest ({why}): copy {folder} "
+                                  "there first, or leave export.reference_uri unset to register a snapshot "
+                                  "in the output folder", uri))

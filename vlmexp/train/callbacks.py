@@ -39,8 +39,8 @@ class CompletionTable(TrainerCallback):
     collected: prompts, completions, each reward's score, the advantages, and the columns logged through
     `log_extra` (the record's image, solution, task and sizes, each reward's unparsable reason). The `image`
     column is the picture itself (MLflow's table view shows it): the record's image with the ground truth and
-    the completion's boxes as `scorers` read them (vlmexp.evaluate.build_scorers, vlmexp.pictures), its weighted
-    reward and its advantage; the file's path is `image_path`."""
+    the completion's boxes as `scorers` read them (vlmexp.evaluate.build_scorers, vlmexp.pictures), its
+    weighted reward and its advantage; the file's path is `image_path`."""
 
     def __init__(self, trainer, every: int, rows: int, scorers=None):
         self.trainer, self.every, self.rows, self.scorers = trainer, every, rows, scorers
@@ -55,7 +55,8 @@ class CompletionTable(TrainerCallback):
         rewards = {f"reward/{name}": list(v)[:n] for name, v in logs["rewards"].items()}
         total = self.weighted(rewards, n)
         table = {"step": [step] * n, "image_path": paths,
-                 "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p) for p in list(logs["prompt"])[:n]],
+                 "prompt": [completion_text(p[-1]) if isinstance(p, list) else str(p)
+                            for p in list(logs["prompt"])[:n]],
                  "completion": completions, "solution": extra.pop("solution", [""] * n), "reward": total,
                  **rewards, "advantage": list(logs["advantages"])[:n], **extra}
         table["image"] = self.pictures(table, paths, completions, total)
@@ -67,18 +68,20 @@ class CompletionTable(TrainerCallback):
         return [sum(w * v[i] for w, v in zip(weights, rewards.values(), strict=False) if v[i] == v[i])
                 for i in range(n)]
 
-    def pictures(self, table: dict[str, list], paths: list, completions: list[str], total: list[float]) -> list:
+    def pictures(self, table: dict[str, list], paths: list, completions: list[str],
+                 total: list[float]) -> list:
         """The `image` column: each completion drawn (vlmexp.pictures.completion_picture)."""
         from vlmexp.pictures import boxes_of, completion_picture
 
         out = []
         for i, text in enumerate(completions):
-            columns = {"task": table.get("task"), "solution": table["solution"], "image_sizes": table.get("image_sizes"),
-                       "accu_reward_method": table.get("method")}
+            columns = {"task": table.get("task"), "solution": table["solution"],
+                       "image_sizes": table.get("image_sizes"), "accu_reward_method": table.get("method")}
             drawn = (boxes_of(self.scorers, text, columns, i)
                      if self.scorers is not None and columns["task"] and columns["image_sizes"] else {})
-            out.append(completion_picture(paths[i] or "", drawn.get("truth", []), drawn.get("boxes", []), total[i],
-                                          table["advantage"][i], task=columns["task"][i] if columns["task"] else "rec"))
+            out.append(completion_picture(paths[i] or "", drawn.get("truth", []), drawn.get("boxes", []),
+                                          total[i], table["advantage"][i],
+                                          task=columns["task"][i] if columns["task"] else "rec"))
         return out
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -102,9 +105,9 @@ class CompletionTable(TrainerCallback):
 
 
 class CompileCountLog(TrainerCallback):
-    """GRPO's generation compilations (`vlmexp.generation.CompileCount`): with compiled generation, added to every
-    log (so MLflow and trainer_state.json carry generation/compilations per logging step); at the end, whether
-    compiled or not, logged to the stage's MLflow run when there is one."""
+    """GRPO's generation compilations (`vlmexp.generation.CompileCount`): with compiled generation, added to
+    every log (so MLflow and trainer_state.json carry generation/compilations per logging step); at the end,
+    whether compiled or not, logged to the stage's MLflow run when there is one."""
 
     def __init__(self, count, compiled: bool, run=None):
         self.count, self.compiled, self.run = count, compiled, run

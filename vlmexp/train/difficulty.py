@@ -1,4 +1,5 @@
-"""GRPO's dynamic sampling, offline (`grpo.difficulty_filter`): drop the prompts whose rewards carry no signal.
+"""GRPO's dynamic sampling, offline (`grpo.difficulty_filter`): drop the prompts whose rewards carry no
+signal.
 
 A GRPO group whose completions all score alike has zero advantage everywhere: it costs a generation and a
 backward pass and teaches nothing (TRL logs its share as `frac_reward_zero_std`). DAPO's dynamic sampling and
@@ -7,19 +8,20 @@ EasyR1's `online_filtering` (hiyouga/EasyR1 verl/trainer/ray_trainer.py: keep a 
 during training; TRL 1.16 has no such hook (huggingface/trl#3708, open).
 
 Why offline here: in TRL 1.16 one method, `GRPOTrainer._generate_and_score_completions`, generates, scores,
-normalises advantages over groups that may span processes, and returns a batch of some twenty padded tensors and
-lists (prompt and completion ids and masks, pixel values per image grid, old and reference log-probabilities, ...)
-that `_prepare_inputs` then shuffles and splits. Dropping groups and refilling the batch online means
-concatenating such batches across calls, re-padding each tensor and keeping every rank's choices the same:
-re-implementing TRL internals that change between versions. The offline filter instead samples before training,
-with the start model and the same reward objects (`vlmexp.generation.sample_and_score`, which DPO's pairs also sample through), keeps
-the prompts solved sometimes but not always, and hands GRPO the kept records; TRL trains unchanged. What it
-cannot do is follow the policy: a prompt that becomes too easy during training stays in (its groups then show
-as frac_reward_zero_std, which TRL keeps logging).
+normalises advantages over groups that may span processes, and returns a batch of some twenty padded tensors
+and lists (prompt and completion ids and masks, pixel values per image grid, old and reference
+log-probabilities, ...) that `_prepare_inputs` then shuffles and splits. Dropping groups and refilling the
+batch online means concatenating such batches across calls, re-padding each tensor and keeping every rank's
+choices the same: re-implementing TRL internals that change between versions. The offline filter instead
+samples before training, with the start model and the same reward objects
+(`vlmexp.generation.sample_and_score`, which DPO's pairs also sample through), keeps the prompts solved
+sometimes but not always, and hands GRPO the kept records; TRL trains unchanged. What it cannot do is follow
+the policy: a prompt that becomes too easy during training stays in (its groups then show as
+frac_reward_zero_std, which TRL keeps logging).
 
 Kept: a prompt whose `num_samples` scores are not all equal and whose mean lies strictly between `low` and
-`high` (each bound optional). <grpo stage>/difficulty.json holds the counts and the kept rows (indices into the
-sampled training records, which GRPO's dataset then selects); a resumed stage reuses it. The main process
+`high` (each bound optional). <grpo stage>/difficulty.json holds the counts and the kept rows (indices into
+the sampled training records, which GRPO's dataset then selects); a resumed stage reuses it. The main process
 samples; the other ranks wait for it (accelerate's main_process_first), then read the file.
 """
 
@@ -39,7 +41,8 @@ SUMMARY_FILE = "difficulty.json"
 
 
 def verdict(scores: list[float], opts: DifficultyFilterConfig) -> str:
-    """"kept", or why a prompt's group is dropped: "zero_std" (all scores equal), "low" or "high" (its mean)."""
+    """"kept", or why a prompt's group is dropped: "zero_std" (all scores equal), "low" or "high" (its
+    mean)."""
     if max(scores) - min(scores) <= 1e-9 * max(1.0, abs(max(scores))):
         return "zero_std"
     mean = statistics.fmean(scores)
@@ -51,9 +54,9 @@ def verdict(scores: list[float], opts: DifficultyFilterConfig) -> str:
 
 
 def kept_rows(inputs, args) -> list[int]:
-    """The rows of the sampled training records GRPO trains on with the filter on, from <stage_dir>/difficulty.json,
-    which the main process samples and writes unless a resumed stage has it. `args`: the stage's GRPOConfig (its
-    temperature and max_completion_length are the filter's defaults)."""
+    """The rows of the sampled training records GRPO trains on with the filter on, from
+    <stage_dir>/difficulty.json, which the main process samples and writes unless a resumed stage has it.
+    `args`: the stage's GRPOConfig (its temperature and max_completion_length are the filter's defaults)."""
     from accelerate import PartialState
 
     path = inputs.stage_dir / SUMMARY_FILE
@@ -84,9 +87,9 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
                if opts.reward in ("overall", r.name)]
     temperature = opts.temperature or args.temperature
     max_new_tokens = opts.max_new_tokens or args.max_completion_length
-    _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records, rewards,
-                                           opts.num_samples, temperature, max_new_tokens, opts.batch_size,
-                                           prefills_think(inputs.processor))
+    _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
+                                           rewards, opts.num_samples, temperature, max_new_tokens,
+                                           opts.batch_size, prefills_think(inputs.processor))
     log_compile_count(compiled, inputs.run)
     verdicts = [verdict(scores, opts) for _, scores in groups]
     counts = {v: verdicts.count(v) for v in ("kept", "zero_std", "low", "high")}
@@ -100,10 +103,10 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     if not counts["kept"]:
         from vlmexp.errors import ConfigError, Problem
 
-        raise ConfigError(Problem("grpo.difficulty_filter", "", f"no training prompt kept: {summary}; every group of "
-                                  f"{opts.num_samples} samples scored alike or its mean fell outside (low, high). "
-                                  "Widen low/high, raise num_samples or temperature, train SFT first, or turn the "
-                                  "filter off", opts.model_dump()))
+        raise ConfigError(Problem("grpo.difficulty_filter", "", f"no training prompt kept: {summary}; every "
+                                  f"group of {opts.num_samples} samples scored alike or its mean fell "
+                                  "outside (low, high). Widen low/high, raise num_samples or temperature, "
+                                  "train SFT first, or turn the filter off", opts.model_dump()))
     kept = [i for i, v in enumerate(verdicts) if v == "kept"]
     atomic_write(path, json.dumps({**summary, "kept_rows": kept}, indent=2) + "\n")
     log.info("difficulty filter: %s", summary)

@@ -21,7 +21,8 @@ def run_grpo(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any
 def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Sequence[Any] = (),
                        mlflow_run_id: str | None = None):
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
-    generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's trainer."""
+    generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's
+    trainer."""
     from vlmexp.evaluate import build_scorers
     from vlmexp.generation import configure_trainer, resolve
     from vlmexp.processor import prefills_think
@@ -36,24 +37,29 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor, inputs.family))
     args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
-    check_rewards_score(cfg, set(train_dataset["task"]), set(train_dataset["accu_reward_method"]))  # before the model loads
-    if cfg.grpo.difficulty_filter.enabled:  # the start model samples first; prompts without signal are dropped
+    # before the model loads
+    check_rewards_score(cfg, set(train_dataset["task"]), set(train_dataset["accu_reward_method"]))
+    # the start model samples first; prompts without signal are dropped
+    if cfg.grpo.difficulty_filter.enabled:
         from vlmexp.train.difficulty import kept_rows
 
         train_dataset = train_dataset.select(kept_rows(inputs, args))
     model, peft_config = load_model(inputs)
-    thinking = prefills_think(inputs.processor)  # completions then start inside <think> (the format reward reads so)
+    # completions then start inside <think> (the format reward reads so)
+    thinking = prefills_think(inputs.processor)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)
                for r in cfg.grpo.rewards]
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
                                  callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
-    settings = resolve(cfg.generation, trainer.accelerator.device.type)  # TRL's rollouts as every stage generates
+    # TRL's rollouts as every stage generates
+    settings = resolve(cfg.generation, trainer.accelerator.device.type)
     trainer.add_callback(CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
-    scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)  # the table's boxes
-    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every, cfg.tracking.completions_per_table,
-                                         scorers))
+    # the table's boxes
+    scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)
+    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every,
+                                         cfg.tracking.completions_per_table, scorers))
     return trainer, inputs, len(train_dataset)
 
 
@@ -68,8 +74,9 @@ def check_rewards_score(cfg: Config, tasks: set[str], methods: set[str | None] =
     if JUDGED_METHOD in methods and "judge" not in names:
         raise ConfigError(Problem("grpo.rewards", "", NO_JUDGE, names))
     if missing := unscored_tasks(tasks, names):
-        raise ConfigError([Problem("grpo.rewards", "", f"the sampled records hold task {task!r}, whose answers none "
-                                   f"of the rewards {names} scores, so they would train on the format alone; add "
+        raise ConfigError([Problem("grpo.rewards", "", f"the sampled records hold task {task!r}, whose "
+                                   f"answers none of the rewards {names} scores, so they would train on the "
+                                   "format alone; add "
                                    f"{' or '.join(scoring_rewards(task)) or 'a module:function reward'} to "
-                                   f"grpo.rewards, or leave those records out of the data", names)
+                                   "grpo.rewards, or leave those records out of the data", names)
                            for task in missing])

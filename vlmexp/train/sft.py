@@ -1,4 +1,5 @@
-"""SFT stage entry point: seed, data, processor, model, trainer, train (resuming), save. Reads top to bottom."""
+"""SFT stage entry point: seed, data, processor, model, trainer, train (resuming), save. Reads top to
+bottom."""
 
 from __future__ import annotations
 
@@ -28,5 +29,6 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
         require_assistant_masks(args, inputs.processor)
     model, peft_config = load_model(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
-                         processing_class=inputs.processor, peft_config=peft_config, callbacks=list(callbacks))
+                         processing_class=inputs.processor, peft_config=peft_config,
+                         callbacks=list(callbacks))
     return train_and_save(trainer, inputs, len(train_dataset))

@@ -6,23 +6,25 @@ Every `eval.every_steps` optimizer steps, and at the last step, the stage proces
 training uses), then logs `val/<metric>` at
 that step through the Trainer's callbacks, as the Trainer logs its own metrics: into the stage's MLflow run
 (transformers' MLflowCallback) and trainer_state.json's log history. That is EasyR1's `trainer.val_freq`
-(hiyouga/EasyR1 verl/trainer/ray_trainer.py, `_validate`). With `eval.during_training_n` N > 1 each record gets N
-samples at `eval.during_training_temperature`, logged as `val/<metric>/mean_at_N` (the metric of each of the N
-sample sets, averaged) and `val/<metric>/best_at_N` (the metric of each record's best-scoring sample): verl's
-mean@N and best@N (volcengine/verl verl/trainer/ppo/metric_utils.py, `process_validation_metrics`; verl's best@N
-is a bootstrap estimate of the best of N draws, ours the best of the N samples drawn). MLflow refuses '@'.
+(hiyouga/EasyR1 verl/trainer/ray_trainer.py, `_validate`). With `eval.during_training_n` N > 1 each record
+gets N samples at `eval.during_training_temperature`, logged as `val/<metric>/mean_at_N` (the metric of each
+of the N sample sets, averaged) and `val/<metric>/best_at_N` (the metric of each record's best-scoring
+sample): verl's mean@N and best@N (volcengine/verl verl/trainer/ppo/metric_utils.py,
+`process_validation_metrics`; verl's best@N is a bootstrap estimate of the best of N draws, ours the best of
+the N samples drawn). MLflow refuses '@'.
 
 The best value of `export.metric` (in `export.direction`) is kept in the Trainer's own state, the fields
 transformers keeps for `metric_for_best_model`: `state.best_metric` and `state.best_global_step`. A new best
-asks for a checkpoint at its step (as `save_strategy: best` does); `Trainer._save_checkpoint` then records that
-folder as `state.best_model_checkpoint`, which `rotate_checkpoints` never deletes under `save_total_limit`
-(transformers trainer_utils.py). The state goes into every checkpoint's trainer_state.json, so a stage resumed
-after a crash keeps the best so far. A tie keeps the earlier step.
+asks for a checkpoint at its step (as `save_strategy: best` does); `Trainer._save_checkpoint` then records
+that folder as `state.best_model_checkpoint`, which `rotate_checkpoints` never deletes under
+`save_total_limit` (transformers trainer_utils.py). The state goes into every checkpoint's trainer_state.json,
+so a stage resumed after a crash keeps the best so far. A tie keeps the earlier step.
 
 Processes: the main process generates and scores while the others wait; the metrics then go to every rank
-(accelerate's `broadcast_object_list`), so all ranks take the same decision to save. Refused when more than one
-process trains with FSDP or DeepSpeed ZeRO-3, whose parameters are sharded over the ranks, so a generate on the
-main process alone would wait forever for the others (`check_sharding`: before the model loads, from the config).
+(accelerate's `broadcast_object_list`), so all ranks take the same decision to save. Refused when more than
+one process trains with FSDP or DeepSpeed ZeRO-3, whose parameters are sharded over the ranks, so a generate
+on the main process alone would wait forever for the others (`check_sharding`: before the model loads, from
+the config).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def validation_metrics(groups: Sequence[Sequence[str]], score: Scorer) -> dict[s
     N > 1: val/<metric>/mean_at_N and val/<metric>/best_at_N. The record count is not repeated."""
     n = len(groups[0])
     if any(len(g) != n for g in groups):
-        raise ValueError(f"every record needs the same number of completions, got {sorted({len(g) for g in groups})}")
+        raise ValueError("every record needs the same number of completions, got "
+                         f"{sorted({len(g) for g in groups})}")
     runs = [score([g[j] for g in groups]) for j in range(n)]
     if n == 1:
         return {f"{PREFIX}{k}": v for k, v in runs[0][0].items() if k != "count"}
@@ -90,7 +93,8 @@ class HeldOut:
 
 
 def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> HeldOut:
-    """The first eval.during_training_samples records of the sampled held-out file, scored as evaluation scores."""
+    """The first eval.during_training_samples records of the sampled held-out file, scored as evaluation
+    scores."""
     from vlmexp.data.record import read_sampled
     from vlmexp.evaluate import score_records
     from vlmexp.processor import prefills_think
@@ -110,8 +114,8 @@ def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> Hel
 
 
 class Validation(TrainerCallback):
-    """Validate every `eval.every_steps` steps and at the last; track the best `export.metric` in the Trainer's
-    state (see the module docstring)."""
+    """Validate every `eval.every_steps` steps and at the last; track the best `export.metric` in the
+    Trainer's state (see the module docstring)."""
 
     def __init__(self, trainer, cfg: Config, held_out: HeldOut, stage: str = "model"):
         self.trainer, self.cfg, self.held_out, self.stage = trainer, cfg, held_out, stage
@@ -134,7 +138,8 @@ class Validation(TrainerCallback):
             state.best_metric, state.best_global_step = value, state.global_step
             control.should_save = True  # the Trainer records the checkpoint as state.best_model_checkpoint
         state.log_history.append({**logs, "step": state.global_step})  # as Trainer.log does
-        should_log = control.should_log  # the handler's on_log clears it: the Trainer's own log of this step stays
+        # the handler's on_log clears it: the Trainer's own log of this step stays
+        should_log = control.should_log
         self.trainer.callback_handler.on_log(args, state, control, dict(logs))
         control.should_log = should_log
         return control
@@ -143,8 +148,9 @@ class Validation(TrainerCallback):
         return best is None or (value > best if self.maximize else value < best)
 
     def validate(self, model, step: int) -> dict[str, float]:
-        """Generate on the held-out records and score; the model, its padding side and the random state are left
-        as they were (a sampled validation draws from a generator of its own, seeded by run.seed and the step)."""
+        """Generate on the held-out records and score; the model, its padding side and the random state are
+        left as they were (a sampled validation draws from a generator of its own, seeded by run.seed and the
+        step)."""
         import torch
 
         from vlmexp.generation import Generator
@@ -218,8 +224,8 @@ def share(logs: dict[str, float] | None) -> dict[str, float]:
 
 
 def add_validation(trainer, inputs) -> Validation | None:
-    """Attach validation during training to `trainer` when eval.every_steps is on; refuse, before any step, what
-    it cannot run (sharded parameters over several processes) or an export.metric it does not produce."""
+    """Attach validation during training to `trainer` when eval.every_steps is on; refuse, before any step,
+    what it cannot run (sharded parameters over several processes) or an export.metric it does not produce."""
     cfg = inputs.cfg
     if not cfg.eval.every_steps:
         return None
@@ -227,25 +233,29 @@ def add_validation(trainer, inputs) -> Validation | None:
 
     check_sharding(cfg, inputs.stage, trainer)
     if inputs.val_path is None:
-        raise ConfigError(Problem("eval.every_steps", "", "validation during training needs held-out records, and "
-                                  "the sampled data has none; set data.val_datasets, data.val_data_yaml or "
-                                  "data.val_fraction, or eval.every_steps: 0", cfg.eval.every_steps))
+        raise ConfigError(Problem("eval.every_steps", "", "validation during training needs "
+                                  "held-out records, and the sampled data has none; set "
+                                  "data.val_datasets, data.val_data_yaml or data.val_fraction, "
+                                  "or eval.every_steps: 0", cfg.eval.every_steps))
     held = load_held_out(cfg, inputs.val_path, inputs.family, inputs.processor, inputs.budget)
-    produced = sorted(validation_metrics([[""] * cfg.eval.during_training_n for _ in held.records], held.score))
+    produced = sorted(validation_metrics([[""] * cfg.eval.during_training_n for _ in held.records],
+                                         held.score))
     metric = tracked_metric(cfg)
     if metric not in produced and cfg.export.checkpoint == "best":
-        raise ConfigError(Problem("export.metric", "", f"export.checkpoint: best is chosen by {metric}, which "
-                                  f"validation on these held-out records does not produce ({', '.join(produced)}); "
-                                  "set export.metric to a metric of their task", cfg.export.metric))
+        raise ConfigError(Problem("export.metric", "", "export.checkpoint: best is chosen by "
+                                  f"{metric}, which validation on these held-out records does not "
+                                  f"produce ({', '.join(produced)}); set export.metric to a "
+                                  "metric of their task", cfg.export.metric))
     callback = Validation(trainer, cfg, held, inputs.stage)
     trainer.add_callback(callback)
     return callback
 
 
 def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
-    """Refuse validation during training when several processes train with sharded parameters (DeepSpeed ZeRO-3,
-    FSDP): a generate on one rank would hang. From the config before the model loads (launch.deepspeed's
-    zero_optimization.stage, the stage's args.fsdp), and from the built `trainer` (an accelerate config's)."""
+    """Refuse validation during training when several processes train with sharded parameters (DeepSpeed
+    ZeRO-3, FSDP): a generate on one rank would hang. From the config before the model loads
+    (launch.deepspeed's zero_optimization.stage, the stage's args.fsdp), and from the built `trainer` (an
+    accelerate config's)."""
     from accelerate import PartialState
 
     processes = PartialState().num_processes
@@ -257,7 +267,8 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
         zero3, fsdp = is_deepspeed_zero3_enabled(), trainer.is_fsdp_enabled
     else:
         ds = json.loads(Path(cfg.launch.deepspeed).read_text()) if cfg.launch.deepspeed else {}
-        zero3, fsdp = (ds.get("zero_optimization") or {}).get("stage") == 3, bool(getattr(cfg, stage).args.get("fsdp"))
+        zero3, fsdp = ((ds.get("zero_optimization") or {}).get("stage") == 3,
+                       bool(getattr(cfg, stage).args.get("fsdp")))
     if zero3 or fsdp:
         from vlmexp.errors import ConfigError, Problem
 
@@ -265,13 +276,13 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
         raise ConfigError(Problem("eval.every_steps", "", f"validation during training generates on the main "
                                   f"process alone, and {scheme} shards the parameters over the {processes} "
                                   "processes, so that generate would wait forever for the others; use ZeRO-2 "
-                                  "(configs/deepspeed/zero2.json) or DDP, or set eval.every_steps: 0 and evaluate "
-                                  "after the stage", cfg.eval.every_steps))
+                                  "(configs/deepspeed/zero2.json) or DDP, or set eval.every_steps: 0 and "
+                                  "evaluate after the stage", cfg.eval.every_steps))
 
 
 def write_summary(state, cfg: Config, stage_dir: Path) -> dict[str, Any]:
-    """<stage_dir>/validation.json: the tracked metric's history, the best step, value and checkpoint (from the
-    Trainer's state, so a resumed stage's history from before the crash is in it)."""
+    """<stage_dir>/validation.json: the tracked metric's history, the best step, value and checkpoint (from
+    the Trainer's state, so a resumed stage's history from before the crash is in it)."""
     from vlmexp.files import atomic_write
 
     metric = tracked_metric(cfg)
