@@ -3,9 +3,12 @@
 
 | event | resource | emitted by |
 |---|---|---|
-| `vlmexp.pipeline.failed`, `vlmexp.pipeline.crashed` | `vlmexp.pipeline.<run.name>` | the vlm-pipeline flow's on_failure / on_crashed hook |
-| `vlmexp.model.promoted` | `vlmexp.model.<registered name>` | the register-model task, when a version takes the champion alias |
-| `vlmexp.data.changed` | `vlmexp.data.<run.name>` | the vlm-data-sensor flow, when the config's data sources changed |
+| `vlmexp.pipeline.failed`, `vlmexp.pipeline.crashed` | `vlmexp.pipeline.<run.name>` | the vlm-pipeline flow's
+  on_failure / on_crashed hook |
+| `vlmexp.model.promoted` | `vlmexp.model.<registered name>` | the register-model task, when a version takes
+  the champion alias |
+| `vlmexp.data.changed` | `vlmexp.data.<run.name>` | the vlm-data-sensor flow, when the config's data sources
+  changed |
 
 Each names the flow run it comes from as a related resource (`prefect.flow-run.<id>`), so the UI links them.
 The library never imports prefect: flows/ and tasks/ call these.
@@ -24,9 +27,10 @@ def emit(event: str, kind: str, name: str, payload: dict[str, Any], flow_run_id:
     client emits no events)."""
     from prefect.events import emit_event
 
-    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}] \
-        if flow_run_id else []
-    return emit_event(event, resource={"prefect.resource.id": f"vlmexp.{kind}.{name}", "prefect.resource.name": name},
+    related = ([{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}",
+                 "prefect.resource.role": "flow-run"}] if flow_run_id else [])
+    return emit_event(event, resource={"prefect.resource.id": f"vlmexp.{kind}.{name}",
+                                       "prefect.resource.name": name},
                       related=related, payload=payload)
 
 
@@ -57,5 +61,6 @@ def _run_name(config: str, parameters: dict[str, Any]) -> str:
 
     try:
         return load_config(config, parameters.get("overrides") or [], check_paths=False).run.name
-    except (VlmexpError, OSError):  # the run failed on its config: the event still goes out, named by the file
+    except (VlmexpError, OSError):
+        # the run failed on its config: the event still goes out, named by the file
         return Path(config).stem or "unknown"

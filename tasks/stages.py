@@ -29,7 +29,8 @@ def _key(prefix: str):
 
 @task(name="validate-config", cache_policy=NO_CACHE)
 def validate_config(config: str, overrides: list[str]) -> str:
-    """Check the config (all problems at once) and write the resolved copy (pending until the data is sampled)."""
+    """Check the config (all problems at once) and write the resolved copy (pending until the data is
+    sampled)."""
     from vlmexp.pipeline.keys import resolve_config
 
     _, pending = resolve_config(config, overrides)
@@ -139,7 +140,8 @@ def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_r
 
 @task(name="evaluate", cache_key_fn=_key("eval"), persist_result=True,
       retry_condition_fn=retry_unless_bad_input)
-def evaluate_model(name: str, resolved: str, key: str, model: str, records: str, parent_run_id: str) -> Evaluation:
+def evaluate_model(name: str, resolved: str, key: str, model: str, records: str,
+                   parent_run_id: str) -> Evaluation:
     """Generate on the held-out records with `model` and score with the training rewards (here, or on the
     `eval` deployment)."""
     from vlmexp.pipeline.keys import load_resolved
@@ -168,8 +170,9 @@ def log_evaluation(resolved: str, evaluations: list[Evaluation], parent_run_id: 
 
     cfg = load_resolved(resolved)
     table = comparison_table(evaluations)
-    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table, sampled_manifests(cfg).get("evaluation"),
-                       cfg.export.metric, cfg.eval.pictures, Path(cfg.run.output_dir) / "eval" / "pictures")
+    log_evaluation_run(make_tracker(cfg), parent_run_id, evaluations, table,
+                       sampled_manifests(cfg).get("evaluation"), cfg.export.metric, cfg.eval.pictures,
+                       Path(cfg.run.output_dir) / "eval" / "pictures")
     create_table_artifact(table, key=f"{_artifact_key(cfg.run.name)}-evaluation",
                           description="Evaluation on the held-out records, one row per model")
     return table
@@ -195,9 +198,10 @@ def export_model(resolved: str, key: str, model: str, parent_run_id: str, proven
 
 
 @task(name="register-model", cache_key_fn=_key("register"), persist_result=True)
-def register_model(resolved: str, key: str, folder: str, parent_run_id: str, metrics: dict[str, float]) -> Promotion:
-    """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the model
-    it holds) in the MLflow Model Registry; move `champion` only to a better model."""
+def register_model(resolved: str, key: str, folder: str, parent_run_id: str,
+                   metrics: dict[str, float]) -> Promotion:
+    """Register the exported folder (a logged model of the parent run, with the evaluation `metrics` of the
+    model it holds) in the MLflow Model Registry; move `champion` only to a better model."""
     import json
 
     from vlmexp.data.run_data import sampled_manifests
@@ -212,8 +216,8 @@ def register_model(resolved: str, key: str, folder: str, parent_run_id: str, met
     plan = json.loads((Path(folder) / "manifest.json").read_text()).get("registration")
     promotion = register_and_promote(make_tracker(cfg), parent_run_id, folder, name, cfg.export.metric,
                                      metrics.get(cfg.export.metric), cfg.export.direction,
-                                     registration=plan or plan_registration(cfg.export, folder), metrics=metrics,
-                                     dataset=sampled_manifests(cfg).get("evaluation"))
+                                     registration=plan or plan_registration(cfg.export, folder),
+                                     metrics=metrics, dataset=sampled_manifests(cfg).get("evaluation"))
     verdict = "promoted to champion" if promotion.promoted else "kept, not promoted"
     get_run_logger().info("%s version %s %s: %s", name, promotion.version, verdict, promotion.reason)
     if promotion.promoted:  # the event the "new champion" automation notifies on (flows/automations.py)
@@ -225,7 +229,8 @@ def register_model(resolved: str, key: str, folder: str, parent_run_id: str, met
 
 @task(name="summarise", cache_policy=NO_CACHE)
 def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
-    """The run's markdown summary as a Prefect artifact and an MLflow artifact; tags and closes the parent run."""
+    """The run's markdown summary as a Prefect artifact and an MLflow artifact; tags and closes the parent
+    run."""
     from prefect.artifacts import create_markdown_artifact
 
     from vlmexp.pipeline.keys import load_resolved
@@ -235,9 +240,11 @@ def summarise(run: PipelineResult, status: str = "FINISHED") -> PipelineResult:
 
     cfg = load_resolved(run.data.resolved)
     tracker = make_tracker(cfg)
-    grid = "evaluation/grid.png" if tracker.enabled and cfg.eval.pictures and run.evaluations else ""  # beside it
+    # beside it
+    grid = "evaluation/grid.png" if tracker.enabled and cfg.eval.pictures and run.evaluations else ""
     text = render_summary(run, tracker.run_link(run.mlflow_run_id), tracker.uri, grid)
-    create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary", description="vlm-pipeline summary")
+    create_markdown_artifact(text, key=f"{_artifact_key(cfg.run.name)}-summary",
+                             description="vlm-pipeline summary")
     tracker.log_text(run.mlflow_run_id, text, "summary.md")
     tracker.set_tags(run.mlflow_run_id, summary_tags(run))
     log_headline(tracker, run, cfg.export.metric)

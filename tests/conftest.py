@@ -32,8 +32,8 @@ def _skip_fails(report: pytest.TestReport | pytest.CollectReport) -> None:
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if not any(allowed in reason for allowed in ALLOWED_SKIPS):
         report.outcome = "failed"
-        report.longrepr = (f"skipped, so it did not run: {reason}\n`make install` installs what every test needs "
-                           "(tests/conftest.py ALLOWED_SKIPS lists the skips that stay skips)")
+        report.longrepr = (f"skipped, so it did not run: {reason}\n`make install` installs what every test "
+                           "needs (tests/conftest.py ALLOWED_SKIPS lists the skips that stay skips)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -71,7 +71,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
     class Models(dict):
         def __missing__(self, family: str) -> Path:
-            self[family] = shared(tmp_path_factory, f"tiny/{family}", lambda out: make_tiny_model(out, family))
+            self[family] = shared(tmp_path_factory, f"tiny/{family}",
+                                  lambda out: make_tiny_model(out, family))
             return self[family]
 
     return Models()

@@ -54,8 +54,8 @@ def test_minimal_config_defaults(tmp_path):
 
 
 def test_overrides_apply_with_types(tmp_path):
-    cfg = load_config(_write(tmp_path, BASE), ["grpo.args.learning_rate=1e-6", "run.seed=7", "sft.enabled=false",
-                                               "data.demo.train=9"])
+    cfg = load_config(_write(tmp_path, BASE), ["grpo.args.learning_rate=1e-6", "run.seed=7",
+                                               "sft.enabled=false", "data.demo.train=9"])
     assert cfg.grpo.args["learning_rate"] == "1e-6"  # raw; TRL pass-through converts it (below)
     assert cfg.run.seed == 7 and cfg.sft.enabled is False and cfg.data.demo.train == 9
     from vlmexp.config.trl_args import coerce_trl_args
@@ -114,21 +114,25 @@ def test_trl_args_checked_by_building_trl_configs(tmp_path):
     p = _write(tmp_path, BASE + "grpo:\n  sft_adapter: yes\n")  # the typed config tree says the same
     [msg] = _problems(p)
     assert "grpo.sft_adapter = True" in msg and 'quote it, e.g. sft_adapter: "yes"' in msg
-    p = _write(tmp_path, BASE + "grpo:\n  args:\n    num_generations: 3\n    per_device_train_batch_size: 4\n")
+    p = _write(tmp_path, BASE + "grpo:\n  args:\n    num_generations: 3\n"
+                                "    per_device_train_batch_size: 4\n")
     [msg] = _problems(p)
     assert "divisible by num_generations" in msg and f"{p}:6" in msg
 
 
 @pytest.mark.parametrize("body, needle", [
     ("model:\n  path: tiny:llama\ndata:\n  demo: {}\n", "unknown tiny family"),
-    ("model:\n  path: tiny:qwen2_5_vl\n  min_pixels: 9000\n  max_pixels: 100\ndata:\n  demo: {}\n", "swap them"),
+    ("model:\n  path: tiny:qwen2_5_vl\n  min_pixels: 9000\n  max_pixels: 100\ndata:\n  demo: {}\n",
+     "swap them"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  data_yaml: x.yaml\n", "exactly one of"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  prompt_templates: {rec: 'find {thing}'}\n",
      "only {problem} and {frame}"),
-    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n", "less than 1"),
+    ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  demo: {}\n  datasets: null\n  val_fraction: 1.5\n",
+     "less than 1"),
     (BASE + "launch:\n  launcher: torchrun\n  nnodes: 2\n", "rdzv_endpoint"),
     (BASE + "run:\n  name: 'bad name!'\n", "letters, digits"),
-    (BASE + "pipeline:\n  stage_deployments: {gpro: vlm-stage/gpu}\n", "unknown stage 'gpro'; stages that can run"),
+    (BASE + "pipeline:\n  stage_deployments: {gpro: vlm-stage/gpu}\n",
+     "unknown stage 'gpro'; stages that can run"),
     (BASE + "pipeline:\n  stage_deployments: {grpo: gpu}\n", "write 'flow/deployment'"),
     (BASE + "grpo:\n  rewards: [{name: accuracy}]\n", "unknown reward 'accuracy'"),
     ("model:\n  path: tiny:qwen2_5_vl\ndata:\n  datasets:\n    - {json_path: a.json, sampling_strategy: "
@@ -160,7 +164,8 @@ def test_validation_runs_user_code_only_behind_the_switch(tmp_path, monkeypatch,
 
     marker = tmp_path / "imported.txt"
     (tmp_path / "marking_reward.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n"
-                                                "def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+                                                "def score(prompts, completions, **kw):\n"
+                                                "    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     p = _write(tmp_path, BASE + "grpo:\n  rewards: [{name: 'marking_reward:score'}]\n")
     Config.model_validate({"model": {"path": "tiny:qwen2_5_vl"}, "data": {"demo": {}},
@@ -193,7 +198,8 @@ def test_names_are_checked_with_the_schema_problems_at_once(tmp_path):
 
 
 def test_check_paths(tmp_path):
-    body = ("model:\n  path: ./no/such/model\ndata:\n  datasets:\n    - {json_path: missing.jsonl, image_root: nodir}\n"
+    body = ("model:\n  path: ./no/such/model\ndata:\n  datasets:\n"
+            "    - {json_path: missing.jsonl, image_root: nodir}\n"
             "launch:\n  launcher: torchrun\n  deepspeed: nope.json\n")
     p = _write(tmp_path, body)
     load_config(p)  # schema alone is fine
@@ -223,10 +229,12 @@ def test_validate_cli_exit_codes(tmp_path):
                           "grpo.args.num_generations=3"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "divisible by num_generations" in bad.stderr
     paths = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate",
-                            str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")], capture_output=True, text=True, cwd=REPO)
+                            str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")],
+                           capture_output=True, text=True, cwd=REPO)
     assert paths.returncode == 2 and "file not found" in paths.stderr
     schema = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", "--no-check-paths",
-                             str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")], capture_output=True, text=True, cwd=REPO)
+                             str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")],
+                            capture_output=True, text=True, cwd=REPO)
     assert schema.returncode == 0, schema.stderr
 
 
@@ -235,7 +243,8 @@ def test_docs_config_reference_is_current():
 
     text = (REPO / "docs" / "config-reference.md").read_text()
     assert text == REFERENCE_HEADER + render_reference(), (
-        "docs/config-reference.md is stale: .venv/bin/vlmexp config-reference --write docs/config-reference.md")
+        "docs/config-reference.md is stale: "
+        ".venv/bin/vlmexp config-reference --write docs/config-reference.md")
 
 
 def test_every_config_field_has_a_description():
@@ -259,10 +268,12 @@ def test_system_metrics_on_a_gpu_without_nvidia_ml_py_are_refused_with_the_fix(m
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pynvml" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pynvml" else find_spec(name, *a))
     cfg = load_config(REPO / "configs/demo.yaml", [], check_paths=False)
-    with pytest.raises(ConfigError, match=r"tracking\.system_metrics = True: a CUDA GPU is here but nvidia-ml-py is not "
-                                          r"installed.*pip install nvidia-ml-py.*tracking\.system_metrics: false"):
+    with pytest.raises(ConfigError, match=r"tracking\.system_metrics = True: a CUDA GPU is here but "
+                                          r"nvidia-ml-py is not installed.*pip install nvidia-ml-py.*"
+                                          r"tracking\.system_metrics: false"):
         start_system_metrics(cfg)
     off = load_config(REPO / "configs/demo.yaml", ["tracking.system_metrics=false"], check_paths=False)
     assert start_system_metrics(off) is False

@@ -31,7 +31,8 @@ def test_smart_resize_matches_transformers_on_random_sizes():
 def test_pixels_frame_by_hand():
     # 1000 x 500 with the real budget: round(500/28)=18 -> 504, round(1000/28)=36 -> 1008
     assert smart_resize(500, 1000, 28, 3136, 12845056) == (504, 1008)
-    assert to_frame([100, 50, 200, 100], 1000, 500, "pixels", REAL) == pytest.approx([100.8, 50.4, 201.6, 100.8])
+    assert to_frame([100, 50, 200, 100], 1000, 500, "pixels", REAL) == pytest.approx([100.8, 50.4, 201.6,
+                                                                                      100.8])
     assert to_frame([100, 50, 200, 100], 1000, 500, "grid1000") == pytest.approx([100, 100, 200, 200])
 
 

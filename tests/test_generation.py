@@ -1,6 +1,7 @@
-"""The one generation module (vlmexp.generation) on the tiny Qwen2.5-VL: the `generation:` section's checks and
-what it resolves to, bucketing that never changes a completion, compiled generation giving eager's greedy tokens
-with one compilation per shape, the static cache under autocast, and TRL's GRPO rollouts set up from it."""
+"""The one generation module (vlmexp.generation) on the tiny Qwen2.5-VL: the `generation:` section's checks
+and what it resolves to, bucketing that never changes a completion, compiled generation giving eager's greedy
+tokens with one compilation per shape, the static cache under autocast, and TRL's GRPO rollouts set up from
+it."""
 
 from __future__ import annotations
 
@@ -45,13 +46,15 @@ def test_section_checks_and_resolves(tmp_path):
     from vlmexp.generation import AUTO_BUCKET, Settings, generation_config_kwargs, resolve
 
     cfg = _cfg(tmp_path, "generation.compile=off")  # YAML reads off as false: taken as the switch it names
-    assert cfg.generation.compile == "off" and _cfg(tmp_path, "generation.compile=on").generation.compile == "on"
+    assert (cfg.generation.compile == "off"
+            and _cfg(tmp_path, "generation.compile=on").generation.compile == "on")
     default = _cfg(tmp_path).generation
     assert resolve(default, "cpu") == Settings(False, "dynamic", 1)  # the CPU default: generation as it was
-    assert generation_config_kwargs(resolve(default, "cpu"), "cpu") == {}  # transformers' own defaults, untouched
+    # transformers' own defaults, untouched
+    assert generation_config_kwargs(resolve(default, "cpu"), "cpu") == {}
     assert resolve(default, "cuda") == Settings(True, "static", AUTO_BUCKET)
-    assert resolve(_cfg(tmp_path, "generation.cache=static", "generation.prompt_bucket=32").generation, "cpu") \
-        == Settings(False, "static", 32)
+    assert resolve(_cfg(tmp_path, "generation.cache=static",
+                        "generation.prompt_bucket=32").generation, "cpu") == Settings(False, "static", 32)
     kwargs = generation_config_kwargs(Settings(True, "static", 64), "cpu")
     assert kwargs["disable_compile"] is False and kwargs["compile_config"]._compile_all_devices
     with pytest.raises(ConfigError, match="compile: on needs a static cache.*set cache: static or auto"):
@@ -73,7 +76,8 @@ def test_bucketing_never_changes_a_completion(tiny):
     for bucket in (1, 16, 64):
         for cache in ("dynamic", "static"):
             generate = Generator(model, processor, family, Settings(False, cache, bucket))
-            outputs[bucket, cache] = generate(prompts, images, 12, 0.0, 2) + generate(prompts, images, 12, 0.0, 4)
+            outputs[bucket, cache] = (generate(prompts, images, 12, 0.0, 2)
+                                      + generate(prompts, images, 12, 0.0, 4))
             assert generate.count.total == 0  # eager: nothing compiled
     first = outputs[1, "dynamic"]
     assert len(set(first)) > 1 and first[:4] == first[4:]  # the batch size changes nothing either
@@ -119,8 +123,8 @@ def test_compiled_generation_matches_eager_and_compiles_once_per_shape(tiny):
     compiled = Generator(model, processor, family, Settings(True, "static", 64))
     assert compiled(prompts, images, 8, 0.0, 2) == eager
     count = compiled.count
-    # batches of 2, prompts padded to 128 and to 192 tokens: at most two cache lengths (fewer when an earlier call
-    # left a longer cache, which transformers and the module keep), each compiled once
+    # batches of 2, prompts padded to 128 and to 192 tokens: at most two cache lengths (fewer when an earlier
+    # call left a longer cache, which transformers and the module keep), each compiled once
     assert 1 <= len(count.shapes) <= 2 and all(batch == 2 for batch, _ in count.shapes)
     assert len(set(count.shapes.values())) == 1 and not count.unexplained
     assert count.total == sum(count.shapes.values()) > 0
@@ -129,7 +133,8 @@ def test_compiled_generation_matches_eager_and_compiles_once_per_shape(tiny):
     smaller = Generator(model, processor, family, replace(compiled.settings, bucket=16), count)
     assert smaller(prompts, images, 8, 0.0, 2) == eager  # other buckets, the same longest cache: nothing new
     assert count.total == total and not count.unexplained, count
-    assert count.metrics() == {"generation/compilations": total, "generation/compiled_shapes": len(count.shapes),
+    assert count.metrics() == {"generation/compilations": total,
+                               "generation/compiled_shapes": len(count.shapes),
                                "generation/unexplained_compilations": 0}
     seen = next(iter(count.shapes))
     count.record(seen, 1)  # a shape compiled before that compiles again: named, not explained by the buckets
@@ -138,15 +143,16 @@ def test_compiled_generation_matches_eager_and_compiles_once_per_shape(tiny):
 
 @pytest.mark.slow
 def test_grpo_rollouts_generate_as_the_section_says(tmp_path, tiny_models):
-    """GRPO through TRL with a static cache and prompt buckets (eager on CPU): TRL's generation config and padding
-    are set from the section, the rollouts go through the counted generate, and a step trains with the pairing
-    guard satisfied: prompts padded to the bucket keep their images' positions."""
+    """GRPO through TRL with a static cache and prompt buckets (eager on CPU): TRL's generation config and
+    padding are set from the section, the rollouts go through the counted generate, and a step trains with the
+    pairing guard satisfied: prompts padded to the bucket keep their images' positions."""
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.stage import train_and_save
 
-    cfg = _cfg(tmp_path, f"model.path={tiny_models['qwen2_5_vl']}", "sft.enabled=false", "grpo.args.max_steps=1",
-               "grpo.args.num_generations=2", "grpo.args.per_device_train_batch_size=4",
-               "grpo.args.max_completion_length=8", "generation.cache=static", "generation.prompt_bucket=32")
+    cfg = _cfg(tmp_path, f"model.path={tiny_models['qwen2_5_vl']}", "sft.enabled=false",
+               "grpo.args.max_steps=1", "grpo.args.num_generations=2",
+               "grpo.args.per_device_train_batch_size=4", "grpo.args.max_completion_length=8",
+               "generation.cache=static", "generation.prompt_bucket=32")
     trainer, inputs, rows = build_grpo_trainer(cfg)
     assert trainer.generation_config.cache_implementation == "static"
     assert trainer.generation_config.disable_compile is True and trainer.pad_to_multiple_of == 32

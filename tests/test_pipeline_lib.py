@@ -26,19 +26,23 @@ def test_stage_keys_change_with_what_the_stage_depends_on_only():
     key = stage_key(base, "sft", "data1")
     assert stage_key(load_config(DEMO, []), "sft", "data1") == key
     assert stage_key(base, "sft", "data2") != key  # new data
-    for override in ("sft.args.learning_rate=0.5", "model.max_pixels=50000", "run.seed=1", "data.demo.train=10"):
+    for override in ("sft.args.learning_rate=0.5", "model.max_pixels=50000", "run.seed=1",
+                     "data.demo.train=10"):
         assert stage_key(load_config(DEMO, [override]), "sft", "data1") != key, override
-    for override in ("grpo.args.beta=0.1", "tracking.backend=none", "pipeline.retries=5", "eval.batch_size=2"):
+    for override in ("grpo.args.beta=0.1", "tracking.backend=none", "pipeline.retries=5",
+                     "eval.batch_size=2"):
         assert stage_key(load_config(DEMO, [override]), "sft", "data1") == key, override
-    assert stage_key(base, "grpo", "data1", upstream=key) != stage_key(base, "grpo", "data1", upstream="other")
+    assert stage_key(base, "grpo", "data1", upstream=key) != stage_key(base, "grpo", "data1",
+                                                                       upstream="other")
 
 
 def test_a_stage_deployment_run_fails_the_task_with_its_error_and_completes_with_its_result(tmp_path):
     crashed = "Process exited with status code: -9. Process exited due to a SIGKILL signal."
-    with pytest.raises(StageFailed, match=r"vlm-stage/gpu \(flow run fr-1\) ended CRASHED: Process exited with status "
-                                          r"code: -9"):
+    with pytest.raises(StageFailed, match=r"vlm-stage/gpu \(flow run fr-1\) ended CRASHED: Process exited "
+                                          r"with status code: -9"):
         remote_result("vlm-stage/gpu", "fr-1", "CRASHED", crashed, tmp_path, "key-a", StageResult)
-    with pytest.raises(StageFailed, match="completed but .*stage_result.json is not readable here .* must be shared"):
+    with pytest.raises(StageFailed,
+                       match="completed but .*stage_result.json is not readable here .* must be shared"):
         remote_result("vlm-stage/gpu", "fr-2", "COMPLETED", None, tmp_path, "key-a", StageResult)
     other = StageResult(stage="grpo", final="x", key="key-b", run_id="r", seconds=1.5)
     write_result(tmp_path, other)
@@ -77,7 +81,8 @@ def test_a_failing_subprocess_reports_its_exit_code_and_last_lines():
 def test_progress_bar_redraws_reach_the_log_at_a_readable_rate():
     # a real child process drawing a tqdm-style bar on stderr (each redraw starts with \r) between two lines
     code = ("import sys\nprint('start', flush=True)\n"
-            "for i in range(201):\n    sys.stderr.write(f'\\r{i * 100 // 200:3d}%|bar| {i}/200'); sys.stderr.flush()\n"
+            "for i in range(201):\n"
+            "    sys.stderr.write(f'\\r{i * 100 // 200:3d}%|bar| {i}/200'); sys.stderr.flush()\n"
             "sys.stderr.write('\\n'); sys.stderr.flush(); print('done', flush=True)")
     lines = []
     run_streaming([sys.executable, "-c", code], {"PATH": "/usr/bin"}, lines.append)
@@ -122,37 +127,43 @@ def test_secret_named_params_never_reach_mlflow(tmp_path):
 
 @pytest.mark.slow
 def test_eval_command_prints_the_metrics(tmp_path, tiny_models):
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "eval", str(tiny_models["qwen2_5_vl"]), "--config",
-                        str(DEMO), f"run.output_dir={tmp_path}", "data.demo.train=8", "data.demo.val=5",
-                        "eval.max_new_tokens=4"], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "eval", str(tiny_models["qwen2_5_vl"]),
+                        "--config", str(DEMO), f"run.output_dir={tmp_path}", "data.demo.train=8",
+                        "data.demo.val=5", "eval.max_new_tokens=4"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     metrics = json.loads(r.stdout[r.stdout.index("{"):])
-    assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75"}
+    assert metrics["count"] == 5 and set(metrics) == {"count", "format_rate", "rec_mean_iou", "rec_acc50",
+                                                      "rec_acc75"}
     assert (tmp_path / "eval" / "qwen2_5_vl" / "samples.jsonl").read_text().count("\n") == 5
-    # the records drawn with the ground truth (green, on its box's edges) and this model's boxes, and their grid
+    # the records drawn with the ground truth (green, on its box's edges) and this model's boxes, and
+    # their grid
     from PIL import Image
 
     from vlmexp.data.record import read_sampled
     from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
 
     pictures = tmp_path / "eval" / "qwen2_5_vl" / "pictures"
-    assert sorted(p.name for p in pictures.iterdir()) == ["grid.png", *(f"record_{i:03d}.png" for i in range(5))]
+    assert sorted(p.name for p in pictures.iterdir()) == ["grid.png",
+                                                          *(f"record_{i:03d}.png" for i in range(5))]
     record = read_sampled(tmp_path / "data" / "val.jsonl")[0]
     picture = Image.open(pictures / "record_000.png").convert("RGB")
     scale = (MAX_SIDE - PANEL) / max(record.image_sizes[0])
     x1, y1, _, y2 = (v * scale for v in record.solution)
-    assert max(picture.size) <= MAX_SIDE and picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1]
+    assert (max(picture.size) <= MAX_SIDE
+            and picture.getpixel((int(x1) + 1, int((y1 + y2) / 2))) == COLOURS["truth"][1])
 
 
 def test_the_experiment_opens_as_model_training_in_the_mlflow_ui(tmp_path):
-    """The UI reads the experiment tag mlflow.experimentKind; without it the pipeline's experiment opens in the
-    GenAI view. New experiments get "finetuning"; an untagged older one is tagged; a kind set by hand stays."""
+    """The UI reads the experiment tag mlflow.experimentKind; without it the pipeline's experiment opens in
+    the GenAI view. New experiments get "finetuning"; an untagged older one is tagged; a kind set by hand
+    stays."""
     from mlflow.tracking import MlflowClient
 
     tracker = make_tracker(load_config(DEMO, [f"run.output_dir={tmp_path}"]))
     client = MlflowClient(tracker.uri)
     assert client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "finetuning"
-    # MLflow 3.17's UI picks its view from a switch in the browser, which this query sets: `vlmexp ui` prints it
+    # MLflow 3.17's UI picks its view from a switch in the browser, which this query sets: `vlmexp ui`
+    # prints it
     assert ui_address("127.0.0.1", 5000, tracker.uri, "demo") == (f"http://127.0.0.1:5000/#/experiments/"
                                                                   f"{tracker.experiment_id}?workflowType=machine_learning")
     assert ui_address("h", 1, tracker.uri, "absent") == "http://h:1/#/experiments?workflowType=machine_learning"

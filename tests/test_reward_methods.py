@@ -1,4 +1,5 @@
-"""VLM-R1's accu_reward_method values against literal completions; thinking templates; math graders; refusals."""
+"""VLM-R1's accu_reward_method values against literal completions; thinking templates; math graders;
+refusals."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def detect(method: str, answer: str, gold: str) -> float:
 
 def test_mcq_extracts_the_choice_first():
     assert exact("mcq", ["<think>A or B?</think><answer>The answer is (B).</answer>",
-                         "<answer>B. a cat</answer>", "<answer>(C)</answer>", "<answer>I cannot tell</answer>"],
+                         "<answer>B. a cat</answer>", "<answer>(C)</answer>",
+                         "<answer>I cannot tell</answer>"],
                  "B") == [1.0, 1.0, 0.0, 0.0]
     assert exact("mcq", ["<answer>B</answer>"], "<answer>(B) a cat</answer>") == [1.0]
     # default, as VLM-R1 scores it, extracts the letter from a choice-letter solution's answer too;
@@ -73,10 +75,12 @@ def test_levenshtein_ratio_as_python_levenshtein():
 def test_default_scores_as_vlm_r1_default_accuracy_reward():
     """om-ai-lab/VLM-R1 grpo_jsonl.py `default_accuracy_reward`, branch by branch."""
     # math-verify equivalence first
-    assert exact("default", ["<answer>\\frac{1}{2}</answer>", "<answer>0.5</answer>"], "<answer>1/2</answer>") == [1.0, 1.0]
+    assert exact("default", ["<answer>\\frac{1}{2}</answer>", "<answer>0.5</answer>"],
+                 "<answer>1/2</answer>") == [1.0, 1.0]
     # a solution with digits: numbers compared as numbers, else the ratio of the cleaned texts
     assert exact("default", ["<answer>7</answer>", "<answer>8</answer>"], "7.0") == [1.0, 0.0]
-    assert exact("default", ["<answer>room 12b</answer>"], "Room 13A.") == [pytest.approx(12 / 16)]  # "room 1"
+    assert exact("default", ["<answer>room 12b</answer>"],
+                 "Room 13A.") == [pytest.approx(12 / 16)]  # "room 1"
     # as in VLM-R1, math-verify reads a number out of text: "room 12b" and "Room 12A." both read as 12
     assert exact("default", ["<answer>room 12b</answer>"], "Room 12A.") == [1.0]
     # an option letter: the letter the answer names; none named is unparsable (0, counted)
@@ -87,7 +91,8 @@ def test_default_scores_as_vlm_r1_default_accuracy_reward():
     # text: partial credit, the Levenshtein ratio of VLM-R1's clean_text (lower case, final '.' dropped)
     assert exact("default", ["<answer>A red cat.</answer>", "<answer>a red hat</answer>", "a red cat"],
                  "<answer>a red cat</answer>") == [1.0, pytest.approx(16 / 18), 1.0]  # no tag: the whole text
-    assert exact("default", ["<answer>blue</answer>"], "Red.") == [pytest.approx(2 / 7)]  # "blue" / "red": LCS "e"
+    assert exact("default", ["<answer>blue</answer>"],
+                 "Red.") == [pytest.approx(2 / 7)]  # "blue" / "red": LCS "e"
     assert exact("default", ["<answer>blue</answer>"], "Red.", default_match="exact") == [0.0]
 
 
@@ -102,7 +107,8 @@ def test_default_match_refused_unless_known(tmp_path):
 
 
 def test_yes_no_reads_whole_words():
-    assert exact("yes_no", ["<answer>Yes, it is.</answer>", "<answer>no</answer>", "<answer>I don't know</answer>"],
+    assert exact("yes_no", ["<answer>Yes, it is.</answer>", "<answer>no</answer>",
+                            "<answer>I don't know</answer>"],
                  "Yes") == [1.0, 0.0, 0.0]
 
 
@@ -114,16 +120,17 @@ def test_all_match_uses_vlm_r1_clean_text():
 def test_two_boxes_against_two_targets_give_coco_ap():
     gold = "<answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 40], "dog")) + "</answer>"
     # cat exact (AP 1 at every threshold); dog at IoU 0.5 exactly (matched at .50 only): (1 + 1/10) / 2
-    answer = "<think>two animals</think><answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 30], "dog")) + \
-        "</answer>"
+    answer = "<think>two animals</think><answer>" + boxes(([0, 0, 10, 10], "cat"),
+                                                          ([20, 20, 40, 30], "dog")) + "</answer>"
     assert detect("od_ap", answer, gold) == pytest.approx(0.55)
     assert detect("map", answer, gold) == pytest.approx(0.55)
     assert detect("od_ap50", answer, gold) == pytest.approx(1.0)
     assert detect("odLength", answer, gold) == pytest.approx(0.55)
     # three boxes for two targets: the extra one is a false positive, and odLength multiplies by 2/3
-    extra = "<answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 40], "dog"), ([50, 50, 60, 60], "dog")) + \
-        "</answer>"
-    assert detect("od_ap", extra, gold) == pytest.approx(1.0)  # the false positive ranks last: precision stays 1
+    extra = "<answer>" + boxes(([0, 0, 10, 10], "cat"), ([20, 20, 40, 40], "dog"),
+                               ([50, 50, 60, 60], "dog")) + "</answer>"
+    # the false positive ranks last: precision stays 1
+    assert detect("od_ap", extra, gold) == pytest.approx(1.0)
     assert detect("odLength", extra, gold) == pytest.approx(2 / 3)
     # a label no target has is left out, as COCO's categories come from the targets
     assert detect("od_ap", "<answer>" + boxes(([0, 0, 10, 10], "bird")) + "</answer>", gold) == 0.0
@@ -147,7 +154,8 @@ def test_detection_none_answers_and_unreadable_ones():
 
 def test_weighted_sum_is_vlm_r1_detection_score():
     gold = "<answer>" + boxes(([0, 0, 10, 10], "Cat"), ([20, 20, 40, 40], "dog")) + "</answer>"
-    # one exact match (labels compared in lower case), one target missed: (0.7 * 1/2 + 0.3 * (1 - (1/2 + 0)/2))
+    # one exact match (labels compared in lower case), one target missed:
+    # (0.7 * 1/2 + 0.3 * (1 - (1/2 + 0)/2))
     assert detect("weighted_sum", "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", gold) == \
         pytest.approx(0.7 * 0.5 + 0.3 * 0.75)
     # VLM-R1's iou counts pixels inclusively: [0,0,10,10] vs [0,0,10,10] is 1
@@ -166,12 +174,15 @@ def test_coco_ap_matches_pycocotools_when_installed():
                [([0, 0, 10, 10], "a"), ([30, 30, 50, 50], "b"), ([60, 60, 70, 70], "b")]),
               ([([5, 5, 20, 20], "b")], [([4, 4, 20, 21], "b")])]
     cats = {"a": 0, "b": 1}
-    gt = {"images": [{"id": i} for i in range(2)], "categories": [{"id": v, "name": k} for k, v in cats.items()],
+    gt = {"images": [{"id": i} for i in range(2)],
+          "categories": [{"id": v, "name": k} for k, v in cats.items()],
           "annotations": [{"id": n + 1, "image_id": i, "category_id": cats[lab], "iscrowd": 0,
-                           "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "area": (b[2] - b[0]) * (b[3] - b[1])}
+                           "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]],
+                           "area": (b[2] - b[0]) * (b[3] - b[1])}
                           for n, (i, b, lab) in enumerate((i, b, lab) for i, (_, g) in enumerate(images)
                                                          for b, lab in g)]}
-    dt = [{"image_id": i, "category_id": cats[lab], "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "score": 1.0}
+    dt = [{"image_id": i, "category_id": cats[lab], "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]],
+           "score": 1.0}
           for i, (p, _) in enumerate(images) for b, lab in p]
     with contextlib.redirect_stdout(io.StringIO()):
         coco = COCO()
@@ -188,9 +199,11 @@ def test_coco_ap_matches_pycocotools_when_installed():
 def test_format_reward_reads_completions_that_start_inside_a_prefilled_think():
     text = "reasoning...</think><answer>B</answer>"
     assert FormatReward()(completions=[text]) == [0.0]
-    assert FormatReward(prefilled_think=True)(completions=[text, "<think>r</think><answer>B</answer>"]) == [1.0, 1.0]
+    assert (FormatReward(prefilled_think=True)(completions=[text, "<think>r</think><answer>B</answer>"])
+            == [1.0, 1.0])
     assert build_reward("format", {}, "pixels", BUDGET, prefilled_think=True)(completions=[text]) == [1.0]
-    assert build_reward("format", {"prefilled_think": False}, "pixels", BUDGET, True)(completions=[text]) == [0.0]
+    assert build_reward("format", {"prefilled_think": False}, "pixels", BUDGET,
+                        True)(completions=[text]) == [0.0]
     # the answer parsers read after the last </think> when there is no <answer>: reasoning is never the answer
     assert exact("mcq", ["A looks wrong, so...</think>B."], "B") == [1.0]
 
@@ -217,7 +230,8 @@ def test_math_grader_choice_and_refusal(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mathruler" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mathruler" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'vlmexp\[mathruler\]'"):
         MathReward(grader="mathruler")
 
@@ -263,13 +277,16 @@ def test_sample_refuses_llm_without_a_judge_and_unknown_methods_naming_the_recor
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
     rows = [conversation("default", "B"), conversation("llm", "B"), conversation("od_map", "B")]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "data.yaml").write_text(yaml.safe_dump({"datasets": [{"json_path": str(tmp_path / "d.jsonl")}]}))
+    (tmp_path / "data.yaml").write_text(
+        yaml.safe_dump({"datasets": [{"json_path": str(tmp_path / "d.jsonl")}]}))
     run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"), "--out",
-                          str(tmp_path / "out" / "s.jsonl")], capture_output=True, text=True, timeout=120, check=False)
+                          str(tmp_path / "out" / "s.jsonl")],
+                         capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0
     err = run.stderr + run.stdout
     assert "d.jsonl:2" in err and "accu_reward_method 'llm' is scored by a judge model" in err, err
-    assert "add {name: judge, kwargs: {model: ..., endpoint: ...}} to grpo.rewards" in err and "--judged" in err, err
+    assert ("add {name: judge, kwargs: {model: ..., endpoint: ...}} to grpo.rewards" in err
+            and "--judged" in err), err
     assert "d.jsonl:3" in err and "unknown accu_reward_method 'od_map'" in err, err
     assert not (tmp_path / "out" / "s.jsonl").exists()
 
@@ -279,14 +296,16 @@ def test_evaluation_gives_detection_ap_over_all_records():
     from vlmexp.evaluate import score_records
 
     gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
-    records = [SampledRecord(task="detection", method="od_ap", problem="Which?", solution=gold, images=["a.png"],
-                             image_sizes=SIZE, image_refs=["a.png"], source="d.jsonl", source_id="", source_row=0,
-                             record_format="conversations")] * 2
-    completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>", "<answer>None</answer>"]
+    records = [SampledRecord(task="detection", method="od_ap", problem="Which?", solution=gold,
+                             images=["a.png"], image_sizes=SIZE, image_refs=["a.png"], source="d.jsonl",
+                             source_id="", source_row=0, record_format="conversations")] * 2
+    completions = ["<think>r</think><answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>",
+                   "<answer>None</answer>"]
     metrics, _ = score_records(records, completions, "pixels", BUDGET)
     assert metrics["detection_reward"] == pytest.approx(0.5) and metrics["format_rate"] == 0.5
     # pooled: one of two targets found, at precision 1: 101-point AP = 51/101
-    assert metrics["detection_ap"] == pytest.approx(51 / 101) and metrics["detection_ap50"] == pytest.approx(51 / 101)
+    assert (metrics["detection_ap"] == pytest.approx(51 / 101)
+            and metrics["detection_ap50"] == pytest.approx(51 / 101))
 
 
 def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monkeypatch):
@@ -296,21 +315,24 @@ def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monk
     from vlmexp.errors import VlmexpError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mathruler" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mathruler" else real(name, *a))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "tiny:qwen2_5_vl"}, "data": {"demo": {}},
                                     "eval": {"math_grader": "mathruler"},
-                                    "grpo": {"rewards": [{"name": "math", "kwargs": {"grader": "mathruler"}}]}}))
+                                    "grpo": {"rewards": [{"name": "math",
+                                                          "kwargs": {"grader": "mathruler"}}]}}))
     with pytest.raises(VlmexpError) as e:
         load_config(path)
     text = str(e.value)
-    assert "eval.math_grader = 'mathruler'" in text and "grpo.rewards.0.kwargs.grader = 'mathruler'" in text, text
+    assert ("eval.math_grader = 'mathruler'" in text
+            and "grpo.rewards.0.kwargs.grader = 'mathruler'" in text), text
     assert text.count("pip install 'vlmexp[mathruler]'") == 2, text
 
 
 def test_grpo_refuses_records_whose_answers_no_reward_scores():
-    """Records of a task that no configured reward scores would train on the format reward alone: refused, naming
-    the task and the reward that would score it, before the model loads."""
+    """Records of a task that no configured reward scores would train on the format reward alone: refused,
+    naming the task and the reward that would score it, before the model loads."""
     from vlmexp.config.loader import load_config
     from vlmexp.errors import ConfigError
     from vlmexp.rewards import unscored_tasks

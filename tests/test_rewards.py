@@ -39,7 +39,8 @@ def test_completion_text_and_answer_extraction():
 
 def test_format_reward():
     r = FormatReward()
-    assert r(completions=[msg("<think>a</think><answer>b</answer>"), msg(" <think>\na\n</think>\n<answer>b</answer>\n"),
+    assert r(completions=[msg("<think>a</think><answer>b</answer>"),
+                          msg(" <think>\na\n</think>\n<answer>b</answer>\n"),
                           msg("<answer>b</answer>"), msg("<think>a</think><answer>b</answer> trailing"),
                           msg("")]) == [1.0, 1.0, 0.0, 0.0, 0.0]
     assert FormatReward(think_tag="reason")(completions=["<reason>x</reason><answer>y</answer>"]) == [1.0]
@@ -87,18 +88,22 @@ def test_iou_malformed_completions_score_zero_and_are_counted_through_the_hooks(
     assert r(completions=completions, solution=[[0, 0, 5, 5]] * 4, image_sizes=[[[10, 10]]] * 4,
              **hooks.kwargs()) == [0.0] * 3 + [1.0]
     assert hooks.metrics == {"rewards/iou/unparsable/no_answer": 1.0, "rewards/iou/unparsable/no_box": 1.0,
-                             "rewards/iou/unparsable/degenerate_box": 1.0, "rewards/iou/unparsable/non_finite_box": 0.0}
+                             "rewards/iou/unparsable/degenerate_box": 1.0,
+                             "rewards/iou/unparsable/non_finite_box": 0.0}
     assert hooks.extra == {"iou/unparsable": ["no_answer", "no_box", "degenerate_box", None]}
     # stateless: a second call reports its own counts only, and no hooks (evaluation) report nothing
-    assert r(completions=completions[:1], solution=[[0, 0, 5, 5]], image_sizes=[[[10, 10]]], **hooks.kwargs()) == [0.0]
-    assert hooks.metrics["rewards/iou/unparsable/no_box"] == 0.0 and hooks.extra["iou/unparsable"] == ["no_answer"]
+    assert r(completions=completions[:1], solution=[[0, 0, 5, 5]], image_sizes=[[[10, 10]]],
+             **hooks.kwargs()) == [0.0]
+    assert (hooks.metrics["rewards/iou/unparsable/no_box"] == 0.0
+            and hooks.extra["iou/unparsable"] == ["no_answer"])
     assert r(completions=completions[:1], solution=[[0, 0, 5, 5]], image_sizes=[[[10, 10]]]) == [0.0]
 
 
 def test_registry_entries_are_reward_classes():
     from vlmexp.rewards import REGISTRY, GIoUReward, IoUThresholdReward, Reward
 
-    assert all(isinstance(cls, type) and issubclass(cls, Reward) and cls.name == name for name, cls in REGISTRY.items())
+    assert all(isinstance(cls, type) and issubclass(cls, Reward) and cls.name == name
+               for name, cls in REGISTRY.items())
     assert REGISTRY["iou_threshold"] is IoUThresholdReward and REGISTRY["giou"] is GIoUReward
     assert build_reward("iou_threshold", {"threshold": 0.75}, "grid1000", None).fn == IoUThresholdReward(
         frame="grid1000", threshold=0.75)
@@ -127,7 +132,8 @@ def test_math_reward_notations(answer, solution, expected):
 
 def test_math_reward_malformed():
     r, hooks = MathReward(), Hooks()
-    assert r(completions=["I don't know", "<answer></answer>"], solution=["3", "3"], **hooks.kwargs()) == [0.0, 0.0]
+    assert r(completions=["I don't know", "<answer></answer>"], solution=["3", "3"],
+             **hooks.kwargs()) == [0.0, 0.0]
     assert hooks.metrics["rewards/math/unparsable/no_answer"] == 1 and sum(hooks.metrics.values()) == 2
 
 
@@ -160,7 +166,8 @@ def test_raising_reward_names_itself_and_the_sample():
     r = build_reward("test_rewards:broken", {}, "pixels", None)
     with pytest.raises(RewardError) as e:
         r(prompts=["p0", "p1"], completions=["ok", "bad"], solution=["ab", "abc"])
-    assert "reward 'test_rewards:broken'" in str(e.value) and "sample 1" in str(e.value) and "'bad'" in str(e.value)
+    assert ("reward 'test_rewards:broken'" in str(e.value) and "sample 1" in str(e.value)
+            and "'bad'" in str(e.value))
 
 
 @pytest.mark.parametrize("name, needle", [

@@ -1,4 +1,5 @@
-"""The embedded model: each family saves, reloads through the project loader, runs with an image, generates."""
+"""The embedded model: each family saves, reloads through the project loader, runs with an image,
+generates."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from vlmexp.processor import load_processor
 IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-              "internvl": "<IMG_CONTEXT>\n"}  # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>
+              # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>
+              "internvl": "<IMG_CONTEXT>\n"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -37,9 +39,11 @@ def test_tiny_model_round_trip(tiny_models, family):
         assert len(tok(special)["input_ids"]) == 1
     assert model.config.image_token_id == tok.convert_tokens_to_ids(fam.image_token)
 
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Locate the red square."}]}]
+    msgs = [{"role": "user", "content": [{"type": "image"},
+                                         {"type": "text", "text": "Locate the red square."}]}]
     text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert IMAGE_PART[fam.name] + "Locate the red square.<|im_end|>" in text  # the official templates' image part
+    # the official templates' image part
+    assert IMAGE_PART[fam.name] + "Locate the red square.<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     inputs = proc(text=[text], images=[Image.new("RGB", (120, 90), "red")], return_tensors="pt")
     budget = fam.image_budget(proc)
@@ -76,4 +80,5 @@ def test_tiny_path_in_config_builds_once(tmp_path):
     assert fam.name == "qwen2_vl" and (tmp_path / "models").exists()
     stamp = (tmp_path / "models").stat().st_mtime_ns
     assert resolve_model(cfg, tmp_path)[0] == path
-    assert len(list((tmp_path / "models").iterdir())) == 1 and (tmp_path / "models").stat().st_mtime_ns == stamp
+    assert (len(list((tmp_path / "models").iterdir())) == 1
+            and (tmp_path / "models").stat().st_mtime_ns == stamp)

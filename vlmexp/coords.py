@@ -24,7 +24,8 @@ MAX_ASPECT_RATIO = 200
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) the Qwen-VL image processor resizes an image to: multiples of `factor`, area in bounds."""
+    """(height, width) the Qwen-VL image processor resizes an image to: multiples of `factor`, area in
+    bounds."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
                          f"got {max(height, width) / min(height, width)}")
@@ -46,7 +47,8 @@ def _scale(frame: BoxFrame, width: int, height: int, budget) -> tuple[float, flo
     if frame == "grid1000":
         return 1000.0 / width, 1000.0 / height
     if budget is None:
-        raise ValueError("the 'pixels' frame needs the processor's pixel budget (patch/merge size, min/max pixels)")
+        raise ValueError("the 'pixels' frame needs the processor's pixel budget "
+                         "(patch/merge size, min/max pixels)")
     h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
     return w / width, h / height
 

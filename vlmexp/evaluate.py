@@ -36,20 +36,22 @@ def build_scorers(rewards: Sequence[Any], frame: str, budget: Any, prefilled_thi
     kwargs = {r.name: dict(r.kwargs) for r in rewards}
     if math_grader is not None:
         kwargs.setdefault("math", {})["grader"] = math_grader
-    return {name: build_reward(name, kwargs.get(name, {}), frame, budget, prefilled_think) for name in SCORERS}
+    return {name: build_reward(name, kwargs.get(name, {}), frame, budget, prefilled_think)
+            for name in SCORERS}
 
 
 def score_records(records: Sequence[SampledRecord], completions: Sequence[str], frame: str, budget: Any,
                   rewards: Sequence[Any] = (), prefilled_think: bool = False, math_grader: str | None = None,
                   prompts: Sequence[Any] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """(metrics, per-sample rows) for sampled records and their completions, scored by `build_scorers(rewards)`
-    with the columns GRPO gives them (`reward_columns`: the source's own fields too). Metrics exist only for the
-    tasks present; unparsable answers score 0; a box task's row holds the ground truth's and the answer's boxes
-    in original pixels (`truth`, `boxes`: vlmexp.pictures.boxes_of). Detection records also give detection_ap /
-    detection_ap50: COCO AP over all of them at once. The model rewards among `rewards` (judge, reward_model) score every record too
-    (`model_reward_metrics`), given `prompts` (the prompts the completions answer; default: each record's problem
-    as the user turn); a record of VLM-R1's `llm` method takes the judge's score as its own. Each other configured
-    reward (a `module:function` one, say) gives `reward_<name>`."""
+    """(metrics, per-sample rows) for sampled records and their completions, scored by
+    `build_scorers(rewards)` with the columns GRPO gives them (`reward_columns`: the source's own fields too).
+    Metrics exist only for the tasks present; unparsable answers score 0; a box task's row holds the ground
+    truth's and the answer's boxes in original pixels (`truth`, `boxes`: vlmexp.pictures.boxes_of). Detection
+    records also give detection_ap / detection_ap50: COCO AP over all of them at once. The model rewards among
+    `rewards` (judge, reward_model) score every record too (`model_reward_metrics`), given `prompts` (the
+    prompts the completions answer; default: each record's problem as the user turn); a record of VLM-R1's
+    `llm` method takes the judge's score as its own. Each other configured reward (a `module:function` one,
+    say) gives `reward_<name>`."""
     from vlmexp.data.record import columns_of
     from vlmexp.pictures import boxes_of
     from vlmexp.rewards import extract_answer
@@ -60,7 +62,8 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
     columns = columns_of(records)
     scorers = build_scorers(rewards, frame, budget, prefilled_think, math_grader)
     scored = {name: fn(completions=texts, **columns) for name, fn in scorers.items()}
-    model_metrics, model_scores = model_reward_metrics(rewards, frame, budget, records, texts, columns, prompts)
+    model_metrics, model_scores = model_reward_metrics(rewards, frame, budget, records, texts, columns,
+                                                       prompts)
     rows, per_task = [], {"rec": [], "math": [], "exact": [], "detection": []}
     for i, (record, text) in enumerate(zip(records, texts, strict=True)):
         score = scored[{"rec": "iou"}.get(record.task, record.task)][i]
@@ -90,9 +93,9 @@ def score_records(records: Sequence[SampledRecord], completions: Sequence[str], 
 
 def model_reward_metrics(rewards: Sequence[Any], frame: str, budget: Any, records: Sequence[SampledRecord],
                          texts: list[str], columns: dict[str, list], prompts: Sequence[Any] | None):
-    """({name}_score (the mean over the records it could score), {name}_unparsable, {name}_seconds, {name}_calls
-    for each model reward among `rewards`; {name: its score or None per record}). A record's `llm` method with
-    no judge configured is refused, naming the fix."""
+    """({name}_score (the mean over the records it could score), {name}_unparsable, {name}_seconds,
+    {name}_calls for each model reward among `rewards`; {name: its score or None per record}). A record's
+    `llm` method with no judge configured is refused, naming the fix."""
     from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE
     from vlmexp.model_rewards import MODEL_REGISTRY
     from vlmexp.rewards_loader import build_reward
@@ -101,7 +104,8 @@ def model_reward_metrics(rewards: Sequence[Any], frame: str, budget: Any, record
     if any(r.method == JUDGED_METHOD for r in records) and "judge" not in [r.name for r in models]:
         from vlmexp.errors import ConfigError, Problem
 
-        raise ConfigError(Problem("grpo.rewards", "", f"{NO_JUDGE}; `vlmexp score`: pass --config with that judge"))
+        raise ConfigError(Problem("grpo.rewards", "",
+                                  f"{NO_JUDGE}; `vlmexp score`: pass --config with that judge"))
     if prompts is None:
         prompts = [[{"role": "user", "content": r.problem}] for r in records]
     metrics: dict[str, float] = {}
@@ -110,23 +114,26 @@ def model_reward_metrics(rewards: Sequence[Any], frame: str, budget: Any, record
         logged: dict[str, float] = {}
         fn = build_reward(spec.name, spec.kwargs, frame, budget)
         scores[spec.name] = fn(prompts=list(prompts), completions=texts, **columns,
-                               log_metric=lambda k, v, logged=logged: logged.__setitem__(k, logged.get(k, 0.0) + v))
+                               log_metric=lambda k, v, logged=logged: logged.__setitem__(
+                                   k, logged.get(k, 0.0) + v))
         found = [v for v in scores[spec.name] if v is not None]
         prefix = f"rewards/{spec.name}/"
-        metrics.update({f"{spec.name}_unparsable": sum(v for k, v in logged.items() if k.startswith(f"{prefix}unparsable/")),
-                        f"{spec.name}_seconds": logged[f"{prefix}seconds"], f"{spec.name}_calls": logged[f"{prefix}calls"]})
+        metrics.update({f"{spec.name}_unparsable": sum(v for k, v in logged.items()
+                                                       if k.startswith(f"{prefix}unparsable/")),
+                        f"{spec.name}_seconds": logged[f"{prefix}seconds"],
+                        f"{spec.name}_calls": logged[f"{prefix}calls"]})
         if found:
             metrics[f"{spec.name}_score"] = sum(found) / len(found)
     return metrics, scores
 
 
-def other_rewards(rewards: Sequence[Any], texts: Sequence[str], columns: dict[str, list], rows: list[dict[str, Any]],
-                  frame: str, budget: Any, prefilled_think: bool,
+def other_rewards(rewards: Sequence[Any], texts: Sequence[str], columns: dict[str, list],
+                  rows: list[dict[str, Any]], frame: str, budget: Any, prefilled_think: bool,
                   prompts: Sequence[Any] | None = None) -> dict[str, float]:
-    """`reward_<name>` (its mean over the records it scores; NaN when it masks them all) for each configured reward
-    not among SCORERS nor a model reward (`model_reward_metrics` scores those), called as GRPO calls it: the
-    prompts (None where not given), completions as assistant messages, every column; each row gets the reward's
-    score under the same key. A name's `:` becomes `.` (MLflow's metric names have no `:`)."""
+    """`reward_<name>` (its mean over the records it scores; NaN when it masks them all) for each configured
+    reward not among SCORERS nor a model reward (`model_reward_metrics` scores those), called as GRPO calls
+    it: the prompts (None where not given), completions as assistant messages, every column; each row gets the
+    reward's score under the same key. A name's `:` becomes `.` (MLflow's metric names have no `:`)."""
     from vlmexp.model_rewards import MODEL_REGISTRY
     from vlmexp.rewards_loader import build_reward
 
@@ -157,11 +164,14 @@ def detection_metrics(reward: Any, texts: Sequence[str], columns: dict[str, list
         if columns["task"][i] == "detection":
             solution, method = columns["solution"][i], columns["accu_reward_method"][i]
             read = reward.objects(text, solution, method, columns["image_sizes"][i])
-            images.append(([], gold_objects(solution, method)) if isinstance(read, Unparsable) else (read[0], read[2]))
-    return {"detection_ap": coco_ap(images, AP_THRESHOLDS), "detection_ap50": coco_ap(images, AP_THRESHOLDS[:1])}
+            images.append(([], gold_objects(solution, method)) if isinstance(read, Unparsable)
+                          else (read[0], read[2]))
+    return {"detection_ap": coco_ap(images, AP_THRESHOLDS),
+            "detection_ap50": coco_ap(images, AP_THRESHOLDS[:1])}
 
 
-def read_predictions(path: str | Path, image_root: str | Path | None = None) -> tuple[list[SampledRecord], list[str]]:
+def read_predictions(path: str | Path,
+                     image_root: str | Path | None = None) -> tuple[list[SampledRecord], list[str]]:
     """(records, completions) of a predictions JSONL: each line a data record in any format the sampler
     reads (or a line of a sampled file), with the model's output as `completion`, normalised as the sampler
     normalises (vlmexp.data.normalise): its images are read and checked (relative paths join `image_root`,
@@ -208,8 +218,8 @@ def check_sampled_records(path: str | Path) -> None:
     from vlmexp.data.record import read_sampled
     from vlmexp.errors import DataError, Problem
 
-    problems = [Problem(f"{path}:{n}", "images", f"{short(r.images)} are not all existing files; sample the data "
-                        "again") for n, r in enumerate(read_sampled(path), start=1)
+    problems = [Problem(f"{path}:{n}", "images", f"{short(r.images)} are not all existing files; "
+                        "sample the data again") for n, r in enumerate(read_sampled(path), start=1)
                 if not all(Path(x).is_file() for x in r.images)]
     if problems:
         raise DataError(problems[:50], title=f"invalid records file {path}")
@@ -231,8 +241,8 @@ def score_predictions(path: str | Path, family_name: str, knobs: dict[str, int |
     records, completions = read_predictions(path, image_root)
     rewards = cfg.grpo.rewards if cfg is not None else ()
     prompts = [build_prompt(r, cfg.data, family) for r in records] if cfg is not None else None
-    return score_records(records, completions, family.box_frame, budget, rewards, prefilled_think, math_grader,
-                         prompts)
+    return score_records(records, completions, family.box_frame, budget, rewards, prefilled_think,
+                         math_grader, prompts)
 
 
 @dataclass
@@ -275,6 +285,7 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     atomic_write(out / "metrics.json", json.dumps({"model": model_path, **metrics}, indent=2) + "\n")
-    write_evaluation_pictures({out.name: rows}, cfg.eval.pictures, out / "pictures", f"{out.name}: {model_path}")
+    write_evaluation_pictures({out.name: rows}, cfg.eval.pictures, out / "pictures",
+                              f"{out.name}: {model_path}")
     log.info("evaluated %s on %d records: %s", model_path, len(rows), metrics)
     return EvalResult(metrics, out / "metrics.json", out / "samples.jsonl")

@@ -1,21 +1,22 @@
-"""Generation: the one code path every stage that generates text goes through (nanochat's engine, one for all).
+"""Generation: the one code path every stage that generates text goes through (nanochat's engine, one for
+all).
 
-Evaluation (`vlmexp.evaluate`), validation during training (`vlmexp.train.validation`), DPO's pairs from samples
-and GRPO's difficulty filter (`sample_and_score`) call `generate_texts`; GRPO's rollouts are TRL's own
+Evaluation (`vlmexp.evaluate`), validation during training (`vlmexp.train.validation`), DPO's pairs from
+samples and GRPO's difficulty filter (`sample_and_score`) call `generate_texts`; GRPO's rollouts are TRL's own
 `model.generate` call, set up by `configure_trainer` from the same `generation:` section.
 
-What the section decides (`resolve`): whether the decoding step is compiled (`compile: auto` is on where CUDA is,
-off on CPU), the key/value cache (static when compiled), and the prompt-length bucket (prompts left-padded to a
-multiple of it, so a compiled decoder sees one shape per bucket). Measured on one H100 at Qwen2.5-VL-3B's shape
-(bench/RESULTS.md): TRL builds its generation config with `disable_compile=True`, so a static cache alone made
-GRPO's generation slower; compiled, it was 2.5-3.8 x faster.
+What the section decides (`resolve`): whether the decoding step is compiled (`compile: auto` is on where CUDA
+is, off on CPU), the key/value cache (static when compiled), and the prompt-length bucket (prompts left-padded
+to a multiple of it, so a compiled decoder sees one shape per bucket). Measured on one H100 at Qwen2.5-VL-3B's
+shape (bench/RESULTS.md): TRL builds its generation config with `disable_compile=True`, so a static cache
+alone made GRPO's generation slower; compiled, it was 2.5-3.8 x faster.
 
 The static cache's precision: transformers sizes a static cache by the first keys it stores. A float32 model
 under bf16 autocast produces float32 keys (Qwen-VL's rotary embedding multiplies by float32 cos/sin) and bf16
-values, and the cache then refuses the values (`index_copy_(): self and source expected to have the same dtype`).
-`make_precise_static_cache` holds both in the precision the model runs in (the autocast dtype when autocast is on
-inside the forward, as accelerate's mixed-precision wrapper has it) and casts what it stores; every static-cache
-generate call of the module gets one (`counted_generate`).
+values, and the cache then refuses the values (`index_copy_(): self and source expected to have the same
+dtype`). `make_precise_static_cache` holds both in the precision the model runs in (the autocast dtype when
+autocast is on inside the forward, as accelerate's mixed-precision wrapper has it) and casts what it stores;
+every static-cache generate call of the module gets one (`counted_generate`).
 
 Compilations are counted (`CompileCount`, from torch._dynamo's counter of graphs); a generate call at a shape
 (batch size, cache length) that compiled before and compiles again is a warning naming the shape.
@@ -55,15 +56,15 @@ def resolve(section: GenerationConfig, device_type: str | None = None) -> Settin
     compiled = {"on": True, "off": False, "auto": device_type == "cuda"}[section.compile]
     cache = section.cache if section.cache != "auto" else ("static" if compiled else "dynamic")
     if compiled and cache != "static":
-        raise ValueError("generation.compile needs a static cache (set by generation.compile: auto on CUDA); set "
-                         "generation.cache: static or auto, or generation.compile: off")
+        raise ValueError("generation.compile needs a static cache (set by generation.compile: auto on CUDA); "
+                         "set generation.cache: static or auto, or generation.compile: off")
     bucket = section.prompt_bucket or (AUTO_BUCKET if compiled else 1)
     return Settings(compiled, cache, bucket)
 
 
 def generation_config_kwargs(settings: Settings, device_type: str) -> dict[str, Any]:
-    """transformers GenerationConfig fields for `settings`: nothing when eager with a dynamic cache (transformers'
-    own defaults, what generation was before the section existed)."""
+    """transformers GenerationConfig fields for `settings`: nothing when eager with a dynamic cache
+    (transformers' own defaults, what generation was before the section existed)."""
     if not settings.compile and settings.cache == "dynamic":
         return {}
     out: dict[str, Any] = {"cache_implementation": settings.cache, "disable_compile": not settings.compile}
@@ -78,8 +79,8 @@ def generation_config_kwargs(settings: Settings, device_type: str) -> dict[str, 
 
 @dataclass
 class CompileCount:
-    """Graphs torch.compile built during generation, per shape (batch size, cache length) that compiled them, and
-    the calls that compiled again at a shape seen before (what the buckets do not explain)."""
+    """Graphs torch.compile built during generation, per shape (batch size, cache length) that compiled them,
+    and the calls that compiled again at a shape seen before (what the buckets do not explain)."""
 
     total: int = 0
     shapes: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -88,15 +89,16 @@ class CompileCount:
     def record(self, shape: tuple[int, int], graphs: int) -> None:
         self.total += graphs
         if shape in self.shapes and graphs:
-            cause = (f"{graphs} graph(s) compiled again for batch {shape[0]} x cache length {shape[1]}, a shape "
-                     "compiled before: something other than the prompt buckets changed (sampling settings, a new "
-                     "model or dtype, grad mode); TORCH_LOGS=recompiles names the guard")
+            cause = (f"{graphs} graph(s) compiled again for batch {shape[0]} x cache length {shape[1]}, "
+                     "a shape compiled before: something other than the prompt buckets changed (sampling "
+                     "settings, a new model or dtype, grad mode); TORCH_LOGS=recompiles names the guard")
             self.unexplained.append(cause)
             log.warning("generation recompiled: %s", cause)
         self.shapes[shape] = self.shapes.get(shape, 0) + graphs
 
     def metrics(self) -> dict[str, float]:
-        return {"generation/compilations": float(self.total), "generation/compiled_shapes": float(len(self.shapes)),
+        return {"generation/compilations": float(self.total),
+                "generation/compiled_shapes": float(len(self.shapes)),
                 "generation/unexplained_compilations": float(len(self.unexplained))}
 
 
@@ -113,16 +115,18 @@ def bucketed(length: int, bucket: int) -> int:
 
 
 def make_precise_static_cache(model, max_cache_len: int):
-    """A static cache for `model` whose keys and values are held in the dtype the model computes in: decided when
-    the first keys arrive (inside the forward, where accelerate's autocast wrapper is active during training), the
-    autocast dtype when autocast is on, else the values' dtype; what is stored is cast to it."""
+    """A static cache for `model` whose keys and values are held in the dtype the model computes in: decided
+    when the first keys arrive (inside the forward, where accelerate's autocast wrapper is active during
+    training), the autocast dtype when autocast is on, else the values' dtype; what is stored is cast to
+    it."""
     import torch
     from transformers.cache_utils import StaticCache, StaticLayer
 
     class PrecisionStaticLayer(StaticLayer):
         def lazy_initialization(self, key_states, value_states):
             device = key_states.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value_states.dtype
+            dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else value_states.dtype)
             super().lazy_initialization(key_states.to(dtype), value_states.to(dtype))
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -137,20 +141,22 @@ def make_precise_static_cache(model, max_cache_len: int):
 
 
 def counted_generate(model, generate, count: CompileCount, **kwargs):
-    """`generate(**kwargs)` for `model`, counting the graphs it compiles under its decode shape; a static cache
-    holds keys and values in the model's running precision (see the module docstring)."""
+    """`generate(**kwargs)` for `model`, counting the graphs it compiles under its decode shape; a static
+    cache holds keys and values in the model's running precision (see the module docstring)."""
     import copy
 
     config = kwargs.get("generation_config") or model.generation_config
     static = "static" in (getattr(config, "cache_implementation", None), kwargs.get("cache_implementation"))
     batch, length = kwargs["input_ids"].shape
     new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
-    cache_len = max(length + new_tokens, getattr(model, "_vlmexp_cache_len", 0))  # as transformers reuses its cache
+    # as transformers reuses its cache
+    cache_len = max(length + new_tokens, getattr(model, "_vlmexp_cache_len", 0))
     if static:
         model._vlmexp_cache_len = cache_len
         if "past_key_values" not in kwargs:
             kwargs["past_key_values"] = precise_static_cache(model, batch, cache_len)
-            kwargs.pop("cache_implementation", None)  # transformers refuses a cache and a cache_implementation
+            # transformers refuses a cache and a cache_implementation
+            kwargs.pop("cache_implementation", None)
             kwargs["generation_config"] = copy.copy(config)
             kwargs["generation_config"].cache_implementation = None
     before = graphs_compiled()
@@ -172,9 +178,9 @@ def precise_static_cache(model, batch: int, cache_len: int):
 
 
 def configure_trainer(trainer, settings: Settings) -> CompileCount:
-    """Make a TRL GRPOTrainer generate as `settings` say: its GenerationConfig's compile switch, cache and compile
-    config, the prompt padding to the bucket (TRL's own `pad_to_multiple_of`, used where it left-pads prompts),
-    and the model's `generate` counting compilations (and using the precise static cache). Eager
+    """Make a TRL GRPOTrainer generate as `settings` say: its GenerationConfig's compile switch, cache and
+    compile config, the prompt padding to the bucket (TRL's own `pad_to_multiple_of`, used where it left-pads
+    prompts), and the model's `generate` counting compilations (and using the precise static cache). Eager
     with a dynamic cache leaves TRL's generation config as TRL built it."""
     count = CompileCount()
     device_type = trainer.accelerator.device.type
@@ -210,9 +216,12 @@ class Generator:
     count: CompileCount = field(default_factory=CompileCount)
 
     @classmethod
-    def for_config(cls, cfg: Config, model, processor, family, count: CompileCount | None = None) -> Generator:
-        """The generator `cfg.generation` asks for on the model's device; `count`: a count to go on adding to."""
-        return cls(model, processor, family, resolve(cfg.generation, model.device.type), count or CompileCount())
+    def for_config(cls, cfg: Config, model, processor, family,
+                   count: CompileCount | None = None) -> Generator:
+        """The generator `cfg.generation` asks for on the model's device; `count`: a count to go on adding
+        to."""
+        return cls(model, processor, family, resolve(cfg.generation, model.device.type),
+                   count or CompileCount())
 
     def __call__(self, prompts: list[list[dict]], images: list[list], max_new_tokens: int, temperature: float,
                  batch_size: int) -> list[str]:
@@ -224,7 +233,8 @@ class Generator:
 
         tokenizer = self.processor.tokenizer
         tokenizer.padding_side = "left"
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        sampling = ({"do_sample": True, "temperature": temperature} if temperature > 0
+                    else {"do_sample": False})
         sampling.update(generation_config_kwargs(self.settings, self.model.device.type))
         padding = {"pad_to_multiple_of": self.settings.bucket} if self.settings.bucket > 1 else {}
         out: list[str] = []
@@ -237,26 +247,30 @@ class Generator:
                                     padding=True, return_tensors="pt", **padding).to(self.model.device)
             with torch.inference_mode():
                 generated = counted_generate(self.model, self.model.generate, self.count, **inputs,
-                                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                             max_new_tokens=max_new_tokens,
+                                             pad_token_id=tokenizer.pad_token_id,
                                              suppress_tokens=vision_token_ids(self.processor, self.family),
                                              **sampling)
-            out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:],
+                                          skip_special_tokens=True)
         return out
 
 
 def sample_and_score(cfg: Config, model_path: str, family, budget, records: list[SampledRecord],
                      rewards: list[tuple[str, dict, float]], k: int, temperature: float, max_new_tokens: int,
                      batch_size: int, prefilled_think: bool = False):
-    """(prompts, [(k completions, their weighted reward sums)] per record, compile count): `model_path`'s samples
-    for `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them. The sampling
-    model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through here."""
+    """(prompts, [(k completions, their weighted reward sums)] per record, compile count): `model_path`'s
+    samples for `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them.
+    The sampling model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through
+    here."""
     import torch
 
     from vlmexp.modeling import load_for_inference
     from vlmexp.prompts import build_prompt, load_images
     from vlmexp.rewards_loader import build_reward
 
-    built = [build_reward(name, kwargs, family.box_frame, budget, prefilled_think) for name, kwargs, _ in rewards]
+    built = [build_reward(name, kwargs, family.box_frame, budget, prefilled_think)
+             for name, kwargs, _ in rewards]
     model, processor, _ = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
     images = [load_images(r.images) for r in records]
@@ -274,7 +288,8 @@ def sample_and_score(cfg: Config, model_path: str, family, budget, records: list
     return prompts, groups, generator.count
 
 
-def score_group(rewards, weights: list[float], prompt, texts: list[str], record: SampledRecord) -> list[float]:
+def score_group(rewards, weights: list[float], prompt, texts: list[str],
+                record: SampledRecord) -> list[float]:
     """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards
     (`reward_columns`). A masked (None) score counts as 0 for that reward."""
     from vlmexp.data.record import reward_columns
@@ -290,7 +305,8 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str], record:
 
 
 def log_compile_count(count: CompileCount, run=None, step: int | None = None) -> dict[str, float]:
-    """The compile count's metrics, logged to the active MLflow run when `run` is given (a StageRun or True)."""
+    """The compile count's metrics, logged to the active MLflow run when `run` is given (a StageRun or
+    True)."""
     metrics = count.metrics()
     if run:
         import mlflow

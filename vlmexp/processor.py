@@ -23,8 +23,9 @@ def has_torchvision() -> bool:
 
 def load_processor(model_path: str | Path, family: Family, knobs: dict[str, int | None] | None = None,
                    trust_remote_code: bool = False):
-    """The processor saved with a checkpoint, with the image budget `knobs` (model.min_pixels, max_patches, ...:
-    `ModelConfig.image_knobs`) applied; a knob the family does not read is refused (ValueError with the fix)."""
+    """The processor saved with a checkpoint, with the image budget `knobs` (model.min_pixels, max_patches,
+    ...: `ModelConfig.image_knobs`) applied; a knob the family does not read is refused (ValueError with the
+    fix)."""
     given = family.check_budget_knobs(knobs or {})
     if has_torchvision():
         from transformers import AutoProcessor
@@ -41,7 +42,8 @@ def prefills_think(processor, tag: str = "think") -> bool:
     the model's completions start inside the think block, and the format reward must read them so (trl
     issue "think_format_reward always returns 0.0 for models whose chat template prefills <think>")."""
     messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
-    template_owner = processor if getattr(processor, "chat_template", None) else getattr(processor, "tokenizer", None)
+    template_owner = (processor if getattr(processor, "chat_template", None)
+                      else getattr(processor, "tokenizer", None))
     if template_owner is None or not getattr(template_owner, "chat_template", None):
         return False
     prompt = template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -15,9 +15,10 @@ from vlmexp.families import Family
 
 def build_prompt(record: SampledRecord, data: DataConfig, family: Family) -> list[dict[str, Any]]:
     """The chat prompt for a sampled record, text only (TRL puts one image part per image at the start of the
-    first user turn, and so does evaluation): the record's system message, else data.system_prompt; the earlier
-    turns as written; the last user turn through the task's prompt template."""
-    text = data.prompt_templates[record.task].format(problem=record.problem, frame=FRAME_HINTS[family.box_frame])
+    first user turn, and so does evaluation): the record's system message, else data.system_prompt; the
+    earlier turns as written; the last user turn through the task's prompt template."""
+    text = data.prompt_templates[record.task].format(problem=record.problem,
+                                                     frame=FRAME_HINTS[family.box_frame])
     system = record.system if record.system is not None else data.system_prompt
     messages = [{"role": "system", "content": system}] if system else []
     return messages + [dict(turn) for turn in record.history] + [{"role": "user", "content": text}]
@@ -44,7 +45,8 @@ def target_text(record: SampledRecord, family: Family, budget, template: str | N
 
 
 def carries_target(record: SampledRecord) -> bool:
-    """Whether a sampled record holds what SFT trains on without sft.target_template: a box, or an answer text."""
+    """Whether a sampled record holds what SFT trains on without sft.target_template: a box, or an answer
+    text."""
     return record.task == "rec" or record.target is not None
 
 
@@ -52,9 +54,9 @@ def no_target_reason(record: SampledRecord) -> str:
     """Why SFT has nothing to train on in `record`, and the fix."""
     carried = "; ".join(f"{fmt} records carry {text}" for fmt, text in ANSWER_TEXT.items())
     return (f"this record (format {record.record_format!r}, task {record.task!r}) holds only a ground-truth "
-            f"answer, no answer text for SFT to imitate (rec records build theirs from the box; {carried}); set "
-            f"sft.target_template to what SFT should train on, e.g. '<think>...</think><answer>{{answer}}</answer>', "
-            f"or sft.enabled: false")
+            f"answer, no answer text for SFT to imitate (rec records build theirs from the box; "
+            f"{carried}); set sft.target_template to what SFT should train on, e.g. "
+            f"'<think>...</think><answer>{{answer}}</answer>', or sft.enabled: false")
 
 
 def check_sft_targets(path: str | Path, template: str | None) -> None:

@@ -9,18 +9,21 @@ from pydantic import BaseModel, ConfigDict
 
 
 def check_template(template: str, fields: tuple[str, ...], what: str) -> None:
-    """Raise ValueError unless `template` is a str.format template using only `fields`, the first among them."""
+    """Raise ValueError unless `template` is a str.format template using only `fields`, the first among
+    them."""
     try:
         used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
     except ValueError as e:
         raise ValueError(f"{what} is malformed ({e}); escape braces as {{{{ }}}}") from None
     unknown = used - set(fields)
     if unknown:
-        raise ValueError(f"{what} uses {sorted(unknown)}; only {' and '.join('{' + f + '}' for f in fields)} exist "
+        raise ValueError(f"{what} uses {sorted(unknown)}; only "
+                         f"{' and '.join('{' + f + '}' for f in fields)} exist "
                          "(escape literal braces as {{ }})")
     if fields[0] not in used:
         raise ValueError(f"{what} must contain {{{fields[0]}}}")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "Input should be a finite number"
+    # NaN/inf: "Input should be a finite number"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -17,7 +17,8 @@ import yaml
 from vlmexp.config.schema import DemoDataConfig, check_scene_range
 from vlmexp.files import new_folder
 
-_DEFAULTS = {name: field.default for name, field in DemoDataConfig.model_fields.items()}  # the defaults live there
+# the defaults live there
+_DEFAULTS = {name: field.default for name, field in DemoDataConfig.model_fields.items()}
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
@@ -31,7 +32,8 @@ def _place(rng: random.Random, w: int, h: int, side: int, boxes: list[list[int]]
     for _ in range(50):
         x1, y1 = rng.randint(2, w - side - 2), rng.randint(2, h - side - 2)
         box = [x1, y1, x1 + side, y1 + side]
-        if all(box[2] + 3 < b[0] or b[2] + 3 < box[0] or box[3] + 3 < b[1] or b[3] + 3 < box[1] for b in boxes):
+        if all(box[2] + 3 < b[0] or b[2] + 3 < box[0] or box[3] + 3 < b[1] or b[3] + 3 < box[1]
+               for b in boxes):
             return box
     return None
 
@@ -43,7 +45,8 @@ class Scenes:
     width: tuple[int, int] = _DEFAULTS["width"]
     height: tuple[int, int] = _DEFAULTS["height"]
     objects: tuple[int, int] = _DEFAULTS["objects"]
-    background: str = _DEFAULTS["background"]  # or "gradient": the shade encodes the pixel's x (red) and y (green)
+    background: str = _DEFAULTS["background"]  # or "gradient": the shade encodes the pixel's x (red)
+    # and y (green)
 
     def __post_init__(self) -> None:
         for name in ("width", "height", "objects"):
@@ -51,7 +54,8 @@ class Scenes:
 
 
 def _gradient(w: int, h: int):
-    """A background whose red rises left to right and green top to bottom: where a patch lies is in its colour."""
+    """A background whose red rises left to right and green top to bottom: where a patch lies is in its
+    colour."""
     from PIL import Image
 
     ramp = Image.linear_gradient("L")  # 256 x 256, 0 at the top to 255 at the bottom
@@ -95,7 +99,8 @@ def make_image(rng: random.Random, scenes: Scenes = Scenes()):
 
 @dataclass(frozen=True)
 class Annotator:
-    """How the demonstrations of the training split deviate from the exact boxes, as a share of the box's side.
+    """How the demonstrations of the training split deviate from the exact boxes, as a share of the box's
+    side.
 
     Each edge moves outward by `loose` and then by a uniform draw in [-jitter, +jitter]: a quick human
     annotator's box. SFT imitates these boxes; the reward and evaluation score against the exact `solution`.
@@ -129,7 +134,8 @@ def annotator_of(demo: DemoDataConfig) -> Annotator:
 
 
 def demo_folder_name(demo: DemoDataConfig) -> str:
-    """Where under run.output_dir `demo`'s dataset is generated; any setting that changes it changes the name."""
+    """Where under run.output_dir `demo`'s dataset is generated; any setting that changes it changes the
+    name."""
     import hashlib
 
     scenes, annotator = scenes_of(demo), annotator_of(demo)
@@ -152,7 +158,8 @@ def make_demo_data(out_dir: str | Path, train: int = _DEFAULTS["train"], val: in
     with new_folder(out) as tmp:
         (tmp / "images").mkdir()
         rng = random.Random(seed)
-        noise = random.Random(f"annotator-{seed}")  # its own stream: the images do not change with the annotator
+        # its own stream: the images do not change with the annotator
+        noise = random.Random(f"annotator-{seed}")
         for split, count in (("train", train), ("val", val)):
             records = []
             for i in range(count):

@@ -25,8 +25,8 @@ from typing import Any
 SCHEMA_VERSION = 3  # 2: without `extra` (the source's other fields were dropped); 1: the source's raw fields
 # plus record_format, task, image_paths, image_sizes (no marker)
 LOCATION_FIELDS = ("source", "images")  # machine-specific absolute paths: left out of content_sha256
-RESAMPLE = "sampled with an older vlmexp or written by hand: run `vlmexp sample` again (a pipeline run samples again "\
-           "by itself)"
+RESAMPLE = ("sampled with an older vlmexp or written by hand: run `vlmexp sample` again (a pipeline run "
+            "samples again by itself)")
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,23 @@ class SampledRecord:
     solution: Any  # rec: the box [x1, y1, x2, y2] in original pixels; otherwise the answer as a string
     images: list[str]  # absolute paths of the images (embedded ones as stored beside the sampled file)
     image_sizes: list[list[int]]  # [width, height] of each image, read from its header
-    image_refs: list[str]  # the images as the source names them (relative paths as written; embedded: stored name)
+    image_refs: list[str]  # the images as the source names them (relative paths as written; embedded:
+    # stored name)
     source: str  # the source's file, folder or Hub id
     source_id: str  # what identifies the source's content (sha256 of its files, or its dataset fingerprint)
     source_row: int  # the row within the source
     record_format: str  # the format the source was read as (provenance only: nothing branches on it)
     id: str | None = None  # the source record's own id, where it has one
     system: str | None = None  # the record's own system message (data.system_prompt otherwise)
-    history: list[dict[str, str]] = field(default_factory=list)  # earlier turns, {role: user|assistant, content}
-    target: str | None = None  # the answer text SFT imitates as written (a chosen answer, the last assistant turn)
-    demonstration: list[float] | None = None  # rec: the box SFT imitates instead of the solution (an annotator's)
+    history: list[dict[str, str]] = field(default_factory=list)  # earlier turns,
+    # {role: user|assistant, content}
+    target: str | None = None  # the answer text SFT imitates as written (a chosen answer, the last
+    # assistant turn)
+    demonstration: list[float] | None = None  # rec: the box SFT imitates instead of the solution
+    # (an annotator's)
     rejected: str | None = None  # the dispreferred answer of a preference record (the chosen one is `target`)
-    extra: dict[str, Any] = field(default_factory=dict)  # the source record's other fields, as JSON: reward columns
+    extra: dict[str, Any] = field(default_factory=dict)  # the source record's other fields, as JSON:
+    # reward columns
     schema: int = SCHEMA_VERSION
 
     @property
@@ -67,17 +72,20 @@ class SampledRecord:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(SampledRecord))
-REQUIRED = tuple(f.name for f in fields(SampledRecord) if f.default is MISSING and f.default_factory is MISSING)
+REQUIRED = tuple(f.name for f in fields(SampledRecord)
+                 if f.default is MISSING and f.default_factory is MISSING)
 
 
 def from_dict(data: dict[str, Any], where: str) -> SampledRecord:
     """The record a sampled JSONL line holds, or ValueError naming `where` and the fix (resample)."""
     if data.get("schema") != SCHEMA_VERSION:
         layout = f"schema {data['schema']!r}" if "schema" in data else "the layout without a schema field"
-        raise ValueError(f"{where}: written in {layout}, not sampled-record schema {SCHEMA_VERSION}; {RESAMPLE}")
+        raise ValueError(f"{where}: written in {layout}, not sampled-record schema {SCHEMA_VERSION}; "
+                         f"{RESAMPLE}")
     unknown, missing = sorted(set(data) - set(FIELD_NAMES)), [k for k in REQUIRED if k not in data]
     if unknown or missing:
-        raise ValueError(f"{where}: not a sampled record (unknown fields {unknown}, missing {missing}); {RESAMPLE}")
+        raise ValueError(f"{where}: not a sampled record (unknown fields {unknown}, missing {missing}); "
+                         f"{RESAMPLE}")
     if not isinstance(data.get("extra", {}), dict):
         raise ValueError(f"{where}: `extra` must be an object of the source's fields; {RESAMPLE}")
     if (found := clash(data.get("extra", {}))) is not None:
@@ -96,7 +104,8 @@ def read_sampled(path: str | Path) -> list[SampledRecord]:
         rows = read_jsonl(path)
     except (OSError, ValueError) as e:
         raise DataError(Problem(str(path), "", f"cannot be read as sampled records ({e.__class__.__name__}: "
-                                               f"{str(e)[:200]}); {RESAMPLE}"), title="invalid sampled data") from None
+                                               f"{str(e)[:200]}); {RESAMPLE}"),
+                        title="invalid sampled data") from None
     out = []
     for n, row in enumerate(rows, start=1):
         try:
@@ -108,8 +117,8 @@ def read_sampled(path: str | Path) -> list[SampledRecord]:
     return out
 
 
-# The keyword arguments a reward receives besides a record's `extra`: vlmexp's columns (`reward_columns`), GRPO's
-# dataset columns TRL reads itself, and what TRL's GRPOTrainer adds (trl/trainer/grpo_trainer.py,
+# The keyword arguments a reward receives besides a record's `extra`: vlmexp's columns (`reward_columns`),
+# GRPO's dataset columns TRL reads itself, and what TRL's GRPOTrainer adds (trl/trainer/grpo_trainer.py,
 # `_calculate_rewards`). A source field of one of these names is refused at sampling (`clash`).
 REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
 OWN_COLUMNS = {
@@ -125,14 +134,14 @@ OWN_COLUMNS = {
 
 
 def clash(extra: dict[str, Any]) -> tuple[str, str] | None:
-    """(the field, why) where a record's `extra` cannot reach the rewards under its own name because vlmexp or TRL
-    passes a keyword of that name; None when every field can."""
+    """(the field, why) where a record's `extra` cannot reach the rewards under its own name because vlmexp or
+    TRL passes a keyword of that name; None when every field can."""
     for name in extra:
         if name in OWN_COLUMNS:
             return name, (f"the source's field {name!r} has the name of vlmexp's reward column {name!r} "
-                          f"({OWN_COLUMNS[name]}), so rewards could not receive both; give the source's column "
-                          f"another name with `columns: {{<new name>: {name}}}` in its data YAML entry (rewards "
-                          f"receive it under the new name), or drop it from the source")
+                          f"({OWN_COLUMNS[name]}), so rewards could not receive both; give the source's "
+                          f"column another name with `columns: {{<new name>: {name}}}` in its data YAML "
+                          f"entry (rewards receive it under the new name), or drop it from the source")
     return None
 
 
@@ -143,9 +152,9 @@ def source_columns(record: SampledRecord) -> dict[str, Any]:
 
 def reward_columns(record: SampledRecord, names: Sequence[str] = ()) -> dict[str, Any]:
     """The keyword columns reward functions receive for `record`, as TRL passes every dataset column (GRPO's
-    dataset columns; DPO's sample scoring, the difficulty filter, validation and evaluation pass the same): the
-    source's own fields (`source_columns`; `names` it lacks as None, for rows of several sources), then vlmexp's:
-    the solution as a string (a box as JSON), task, method, sizes, row, first image."""
+    dataset columns; DPO's sample scoring, the difficulty filter, validation and evaluation pass the same):
+    the source's own fields (`source_columns`; `names` it lacks as None, for rows of several sources), then
+    vlmexp's: the solution as a string (a box as JSON), task, method, sizes, row, first image."""
     return {**{name: None for name in names}, **source_columns(record),
             "solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
             "task": record.task, "accu_reward_method": record.method, "image_sizes": record.image_sizes,
@@ -169,6 +178,6 @@ def content_sha256(records: Iterable[SampledRecord]) -> str:
     """What identifies sampled records wherever they live: every field but the machine-specific paths."""
     h = hashlib.sha256()
     for r in records:
-        h.update(json.dumps({k: v for k, v in r.as_dict().items() if k not in LOCATION_FIELDS}, sort_keys=True,
-                            ensure_ascii=False).encode())
+        h.update(json.dumps({k: v for k, v in r.as_dict().items() if k not in LOCATION_FIELDS},
+                            sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()

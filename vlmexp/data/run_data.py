@@ -19,8 +19,8 @@ from vlmexp.files import atomic_write
 class PreparedData:
     train: Path
     val: Path | None
-    content_sha256: str  # the sampled records' content digest (train's, with val's when there is one): changes
-    # when the sampled data changes, not when the data or the checkout moves
+    content_sha256: str  # the sampled records' content digest (train's, with val's when there is one):
+    # changes when the sampled data changes, not when the data or the checkout moves
 
 
 def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
@@ -32,11 +32,13 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
 
         folder = Path(cfg.run.output_dir) / demo_folder_name(d.demo)
         if not (folder / "train.yaml").is_file():
-            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, scenes_of(d.demo), annotator_of(d.demo))
+            make_demo_data(folder, d.demo.train, d.demo.val, d.demo.seed, scenes_of(d.demo),
+                           annotator_of(d.demo))
         train = load_data_yaml(folder / "train.yaml")
         default_val = load_data_yaml(folder / "val.yaml")
     else:
-        train = load_data_yaml(d.data_yaml) if d.data_yaml else [resolve_relative(s, cwd) for s in d.datasets or []]
+        train = (load_data_yaml(d.data_yaml) if d.data_yaml
+                 else [resolve_relative(s, cwd) for s in d.datasets or []])
         default_val = []
     if d.val_datasets is not None:
         val = [resolve_relative(s, cwd) for s in d.val_datasets]
@@ -47,7 +49,8 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
     return train, val
 
 
-REQUEST_NAME = "sampled_for.json"  # beside the sampled files: the request (`data_request`) they were sampled for
+# beside the sampled files: the request (`data_request`) they were sampled for
+REQUEST_NAME = "sampled_for.json"
 
 
 def prepare_data(cfg: Config, reuse: bool = False) -> PreparedData:
@@ -90,8 +93,8 @@ def data_request(cfg: Config, sources: list[DataSource]) -> str:
         found = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else \
             [Path(x) for x in glob_paths(loc.path)] if loc.kind == "shards" else []
         files += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in found]
-    parts = [SCHEMA_VERSION, cfg.data.model_dump(mode="json"), cfg.run.seed, [s.model_dump(mode="json") for s in sources],
-             files]
+    parts = [SCHEMA_VERSION, cfg.data.model_dump(mode="json"), cfg.run.seed,
+             [s.model_dump(mode="json") for s in sources], files]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -128,7 +131,8 @@ def split_holdout(result: SampleResult, fraction: float, seed: int) -> tuple[Sam
                         holdout={"fraction": fraction, "split": path.stem})
         mpath = path.with_name(path.stem + ".manifest.json")
         atomic_write(mpath, json.dumps(manifest, indent=2) + "\n")
-        results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows, content))
+        results.append(SampleResult(path, mpath, result.sources, seed, manifest["records_sha256"], rows,
+                                    content))
     return results[0], results[1]
 
 

@@ -28,8 +28,8 @@ from vlmexp.data.tables import (
 )
 from vlmexp.errors import DataError, Problem
 
-__all__ = ["RECORD_SUFFIXES", "Location", "check_source", "load_data_yaml", "locate", "open_table", "read_records",
-           "resolve_relative", "sha256_file"]
+__all__ = ["RECORD_SUFFIXES", "Location", "check_source", "load_data_yaml", "locate", "open_table",
+           "read_records", "resolve_relative", "sha256_file"]
 
 RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 _GLOB = re.compile(r"[*?\[]")
@@ -59,7 +59,8 @@ def locate(json_path: str) -> Location:
         if p.is_file():
             return Location("file", str(p), sp)
         if p.is_dir():
-            kind = "saved" if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file() else "shards"
+            kind = ("saved" if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file()
+                    else "shards")
             return Location(kind, str(p), sp)
     if _GLOB.search(base):
         return Location("shards", base, split)
@@ -124,12 +125,13 @@ def _shard_files(loc: Location) -> list[Path]:
         files = sorted(Path(f) for f in glob_paths(loc.path))
     if not files:
         what = f"split {loc.split!r} in " if loc.split else ""
-        raise DataError(Problem(loc.path, "json_path", f"no record files (.json, .jsonl, .parquet, .arrow) for "
-                                                       f"{what}this glob or folder; fix the pattern"))
+        raise DataError(Problem(loc.path, "json_path", f"no record files (.json, .jsonl, .parquet, .arrow) "
+                                                       f"for {what}this glob or folder; fix the pattern"))
     suffixes = {f.suffix.lower() for f in files}
     if len(suffixes) > 1:
-        raise DataError(Problem(loc.path, "json_path", f"shards of different formats {sorted(suffixes)}; name one "
-                                                       f"format per source (e.g. a glob ending in .parquet)"))
+        raise DataError(Problem(loc.path, "json_path", f"shards of different formats {sorted(suffixes)}; "
+                                                       f"name one format per source "
+                                                       f"(e.g. a glob ending in .parquet)"))
     return files
 
 
@@ -168,7 +170,8 @@ def _open_saved(src: DataSource, loc: Location):
     ds = load_from_disk(loc.path)
     if isinstance(ds, DatasetDict):
         if loc.split not in ds:
-            raise DataError(Problem(src.json_path, "json_path", f"a save_to_disk DatasetDict folder: name a split, "
+            raise DataError(Problem(src.json_path, "json_path",
+                                    f"a save_to_disk DatasetDict folder: name a split, "
                                     f"one of {sorted(ds)}, as {loc.path}@{next(iter(ds), 'train')}"))
         ds = ds[loc.split]
     return DatasetTable(ds, loc.path, {"fingerprint": ds._fingerprint})
@@ -182,13 +185,14 @@ def _open_hub(src: DataSource, loc: Location):
     except Exception as e:  # noqa: BLE001 - the Hub client raises many types; each is reported with its message
         cache = datasets.config.HF_DATASETS_CACHE
         raise DataError(Problem(src.json_path, "json_path", (
-            f"Hub dataset {loc.path!r} (subset {src.subset}, split {loc.split!r}, revision {src.revision}) could not "
-            f"be loaded from the Hub or the local cache {cache} ({e.__class__.__name__}: {str(e)[:200]}); check the "
-            f"id and split, or load it once with network access (HF_HUB_OFFLINE unset) to fill the cache, or "
-            f"point json_path at local parquet files"))) from None
+            f"Hub dataset {loc.path!r} (subset {src.subset}, split {loc.split!r}, revision {src.revision}) "
+            f"could not be loaded from the Hub or the local cache {cache} ({e.__class__.__name__}: "
+            f"{str(e)[:200]}); check the id and split, or load it once with network access (HF_HUB_OFFLINE "
+            f"unset) to fill the cache, or point json_path at local parquet files"))) from None
     files = ds.cache_files or []
     found = _REVISION.search(files[0]["filename"]) if files else None
-    identity = {"fingerprint": ds._fingerprint, "revision": src.revision or (found.group(1) if found else None)}
+    identity = {"fingerprint": ds._fingerprint,
+                "revision": src.revision or (found.group(1) if found else None)}
     return DatasetTable(ds, f"{loc.path}@{loc.split}", identity)
 
 
@@ -251,9 +255,9 @@ def check_source(src: DataSource) -> list[tuple[str, Any, str]]:
 
 
 def own_name_problem(name: str) -> str | None:
-    """Why `columns` may not map a source column to `name`, or None: a field vlmexp reads (FIELDS) is fine, and so
-    is a name of the user's own (the column then reaches the rewards under it), unless it is one of vlmexp's
-    reward columns or so close to a field that it is likely that field misspelt."""
+    """Why `columns` may not map a source column to `name`, or None: a field vlmexp reads (FIELDS) is fine,
+    and so is a name of the user's own (the column then reaches the rewards under it), unless it is one of
+    vlmexp's reward columns or so close to a field that it is likely that field misspelt."""
     import difflib
 
     from vlmexp.data.formats import FIELDS
@@ -261,7 +265,8 @@ def own_name_problem(name: str) -> str | None:
 
     if name in FIELDS:
         return None
-    fix = f"map the source's columns to these fields: {', '.join(FIELDS)}, or to a name of your own for a reward column"
+    fix = (f"map the source's columns to these fields: {', '.join(FIELDS)}, or to a name of your own for a "
+           "reward column")
     if name in OWN_COLUMNS:
         return f"{name!r} in columns is vlmexp's reward column ({OWN_COLUMNS[name]}); {fix}"
     if near := difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.85):
@@ -281,7 +286,8 @@ def load_data_yaml(path: str | Path) -> list[DataSource]:
     entries = raw.get("datasets") if isinstance(raw, dict) else None
     if not isinstance(entries, list) or not entries:
         raise DataError(Problem(str(p), "datasets", "needs a non-empty `datasets:` list of "
-                                "{json_path, sampling_strategy, image_root, task, columns}"), title="invalid data YAML")
+                                "{json_path, sampling_strategy, image_root, task, columns}"),
+                        title="invalid data YAML")
     sources, problems = [], []
     for i, entry in enumerate(entries):
         try:

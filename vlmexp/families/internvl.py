@@ -1,4 +1,5 @@
-"""InternVL (InternVL2.5 / InternVL3 `-hf` checkpoints, transformers' native InternVLForConditionalGeneration).
+"""InternVL (InternVL2.5 / InternVL3 `-hf` checkpoints, transformers' native
+InternVLForConditionalGeneration).
 
 Images are cut into square tiles (448 x 448 in the released checkpoints): the grid of at least min_patches and
 at most max_patches tiles whose aspect ratio is closest to the image's, plus a thumbnail of the whole image
@@ -24,9 +25,11 @@ from typing import Any, ClassVar
 from vlmexp.families.base import Family, tiny_text_config
 from vlmexp.families.qwen import QWEN_SPECIAL_TOKENS, saved_as
 
-# The released -hf checkpoints' image processor and processor (preprocessor_config.json, processor_config.json)
+# The released -hf checkpoints' image processor and processor (preprocessor_config.json,
+# processor_config.json)
 RELEASED_TILE, RELEASED_PATCHES, RELEASED_TOKENS_PER_TILE = 448, (1, 12), 256
-PATCH_SIZE = 14  # the vision tower's patch side; a tile of side s gives (s / 14)^2 / 4 tokens (pixel shuffle 0.5)
+PATCH_SIZE = 14  # the vision tower's patch side; a tile of side s gives (s / 14)^2 / 4 tokens
+# (pixel shuffle 0.5)
 
 # transformers' conversion script (src/transformers/models/internvl/convert_internvl_weights_to_hf.py) writes
 # this template into the -hf checkpoints: an image part is `<IMG_CONTEXT>` and a newline, which the processor
@@ -72,14 +75,15 @@ class InternVLFamily(Family):
     budget_summary: ClassVar[str] = "square tiles, at most max_patches per image plus a thumbnail"
     refused_model_types: ClassVar[dict[str, str]] = {
         "internvl_chat": "InternVL's original checkpoints (VLM-R1 trains those) run remote code; use their "
-                         "transformers-native conversion, the -hf repositories (e.g. OpenGVLab/InternVL3-2B-hf), "
-                         "model_type internvl"}
+                         "transformers-native conversion, the -hf repositories "
+                         "(e.g. OpenGVLab/InternVL3-2B-hf), model_type internvl"}
     special_tokens: ClassVar[tuple[str, ...]] = (
-        *QWEN_SPECIAL_TOKENS, "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>",
-        "</box>")  # fmt: skip  # the InternVL3 -hf tokenizer: Qwen2.5-VL's plus these nine
+        *QWEN_SPECIAL_TOKENS, "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>",
+        "<box>", "</box>")  # fmt: skip  # the InternVL3 -hf tokenizer: Qwen2.5-VL's plus these nine
     extra_tokens: ClassVar[tuple[str, ...]] = ("<tool_call>", "</tool_call>")
     named_tokens: ClassVar[dict[str, str]] = {"start_image_token": "<img>", "end_image_token": "</img>",
-                                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+                                              "context_image_token": "<IMG_CONTEXT>",
+                                              "video_token": "<video>"}
 
     def chat_template(self) -> str:
         return CHAT_TEMPLATE
@@ -91,19 +95,19 @@ class InternVLFamily(Family):
         ip = processor.image_processor
         low, high = knobs.get("min_patches", ip.min_patches), knobs.get("max_patches", ip.max_patches)
         if low > high:
-            raise ValueError(f"min_patches {low} exceeds max_patches {high}: lower model.min_patches or raise "
-                             f"model.max_patches")
+            raise ValueError(f"min_patches {low} exceeds max_patches {high}: lower model.min_patches "
+                             f"or raise model.max_patches")
         ip.min_patches, ip.max_patches = int(low), int(high)
-        # tile as the processor does by default (InternVLProcessor's images_kwargs), also where TRL calls the image
-        # processor alone (GRPOTrainer counts tiles per image so)
+        # tile as the processor does by default (InternVLProcessor's images_kwargs), also where TRL calls the
+        # image processor alone (GRPOTrainer counts tiles per image so)
         ip.crop_to_patches = True
 
     def image_budget(self, processor) -> TileBudget:
         ip = processor.image_processor
         size = dict(ip.size)
         if size["height"] != size["width"]:
-            raise ValueError(f"the image processor's tiles are {size['height']} x {size['width']}; InternVL's are "
-                             "square: fix size in preprocessor_config.json")
+            raise ValueError(f"the image processor's tiles are {size['height']} x {size['width']}; "
+                             "InternVL's are square: fix size in preprocessor_config.json")
         return TileBudget(int(size["height"]), int(ip.min_patches), int(ip.max_patches),
                           int(processor.image_seq_length))
 
@@ -118,8 +122,9 @@ class InternVLFamily(Family):
     layout_name: ClassVar[str] = "tiles"
 
     def image_layout(self, image_sizes, budget: TileBudget):
-        """[1] the sample's tiles, all its images together: GRPOTrainer carries tiles per sample (`num_tiles`),
-        or, when every image of the generation batch is one tile, one `pixel_values` row per image."""
+        """[1] the sample's tiles, all its images together: GRPOTrainer carries tiles per sample
+        (`num_tiles`), or, when every image of the generation batch is one tile, one `pixel_values` row per
+        image."""
         import torch
 
         return torch.tensor([sum(budget.tiles(w, h) for w, h in image_sizes or [])], dtype=torch.long)
@@ -144,7 +149,8 @@ class InternVLFamily(Family):
         side = spec.tile_size or 112
         return transformers.GotOcr2ImageProcessorPil(
             size={"height": side, "width": side}, crop_to_patches=True, min_patches=RELEASED_PATCHES[0],
-            max_patches=RELEASED_PATCHES[1], image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+            max_patches=RELEASED_PATCHES[1], image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225])
 
     def tiny_processor(self, image_processor, tokenizer, spec):
         side = image_processor.size["height"]
@@ -154,21 +160,24 @@ class InternVLFamily(Family):
 
     def tiny_config(self, spec, tokenizer):
         """A Qwen2 decoder behind InternViT (absolute position embeddings, pixel shuffle 0.5, a 2-layer MLP
-        projector). `spec.tile_size` (default 112: 16 tokens a tile, as the demo's 112 x 112 images give the tiny
-        Qwen2.5-VL) must be a multiple of 28 for the pixel shuffle."""
+        projector). `spec.tile_size` (default 112: 16 tokens a tile, as the demo's 112 x 112 images give the
+        tiny Qwen2.5-VL) must be a multiple of 28 for the pixel shuffle."""
         import transformers
 
 
         side = spec.tile_size or 112
         if side % (2 * PATCH_SIZE):
-            raise ValueError(f"tile_size {side} must be a multiple of {2 * PATCH_SIZE} (patch 14, pixel shuffle 0.5)")
+            raise ValueError(f"tile_size {side} must be a multiple of {2 * PATCH_SIZE} "
+                             "(patch 14, pixel shuffle 0.5)")
         vision = dict(hidden_size=spec.vision_hidden_size, num_hidden_layers=spec.vision_depth,
                       num_attention_heads=spec.vision_heads,
                       intermediate_size=spec.vision_intermediate_size or 2 * spec.vision_hidden_size,
                       image_size=side, patch_size=PATCH_SIZE)
-        text = {"model_type": "qwen2", **tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")}
+        text = {"model_type": "qwen2",
+                **tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")}
         return transformers.InternVLConfig(
-            text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+            text_config=text, vision_config=vision,
+            image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
             image_seq_length=(side // PATCH_SIZE) ** 2 // 4, downsample_ratio=0.5,
             tie_word_embeddings=spec.tie_word_embeddings)
 

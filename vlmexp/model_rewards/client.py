@@ -1,11 +1,11 @@
-"""An OpenAI-compatible chat client for the judge: POST <endpoint>/chat/completions (vLLM's and SGLang's servers,
-`transformers serve`, hosted APIs), with httpx.
+"""An OpenAI-compatible chat client for the judge: POST <endpoint>/chat/completions (vLLM's and SGLang's
+servers, `transformers serve`, hosted APIs), with httpx.
 
-Each conversation is one request; a batch goes out with at most `concurrency` requests in flight. A request that
-times out, cannot connect, or gets 429 or a 5xx answer is tried again after `backoff * 2**k` seconds, up to
-`retries` more times; any other error answer, or the last failure, raises `ModelRewardError` naming the endpoint
-and the fix. Nothing waits without a limit: every request has the `timeout`. The API key is read from the
-environment variable the config names, sent as a bearer token, and never put in a message or a log.
+Each conversation is one request; a batch goes out with at most `concurrency` requests in flight. A request
+that times out, cannot connect, or gets 429 or a 5xx answer is tried again after `backoff * 2**k` seconds, up
+to `retries` more times; any other error answer, or the last failure, raises `ModelRewardError` naming the
+endpoint and the fix. Nothing waits without a limit: every request has the `timeout`. The API key is read from
+the environment variable the config names, sent as a bearer token, and never put in a message or a log.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class ChatClient:
             return {}
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise ModelRewardError(f"judge: the environment variable {self.api_key_env} (kwargs.api_key_env) that "
-                                   "holds the endpoint's API key is not set; export it in the training process's "
-                                   "environment")
+            raise ModelRewardError(f"judge: the environment variable {self.api_key_env} (kwargs.api_key_env) "
+                                   "that holds the endpoint's API key is not set; export it in the training "
+                                   "process's environment")
         return {"Authorization": f"Bearer {key}"}
 
     def complete(self, conversations: list[list[dict[str, Any]]]) -> tuple[list[str], int]:
@@ -90,12 +90,14 @@ class ChatClient:
                 problem = f"answered {response.status_code}: {response.text[:300]!r}"
                 continue
             if response.status_code != 200:
-                raise ModelRewardError(f"judge endpoint {url} answered {response.status_code}: {response.text[:300]!r};"
-                                       f" check kwargs.model ({self.model!r}) and the server")
+                raise ModelRewardError(f"judge endpoint {url} answered {response.status_code}: "
+                                       f"{response.text[:300]!r}; check kwargs.model ({self.model!r}) "
+                                       f"and the server")
             return reply_text(response, url), attempt + 1
         tries = self.retries + 1
-        raise ModelRewardError(f"judge endpoint {url} {problem} ({tries} {'try' if tries == 1 else 'tries'}); start "
-                               "the server there, fix kwargs.endpoint, or raise kwargs.timeout / kwargs.retries")
+        raise ModelRewardError(f"judge endpoint {url} {problem} ({tries} {'try' if tries == 1 else 'tries'})"
+                               "; start the server there, fix kwargs.endpoint, or raise kwargs.timeout / "
+                               "kwargs.retries")
 
 
 def reply_text(response, url: str) -> str:
@@ -104,5 +106,6 @@ def reply_text(response, url: str) -> str:
         content = response.json()["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise ModelRewardError(f"judge endpoint {url} answered {response.text[:300]!r}, not an OpenAI chat "
-                               "completion (choices[0].message.content); is it an OpenAI-compatible server?") from None
+                               "completion (choices[0].message.content); is it an OpenAI-compatible "
+                               "server?") from None
     return content if isinstance(content, str) else ""

@@ -1,11 +1,12 @@
-"""The judge: a generative model asked for a score, through an OpenAI-compatible endpoint or from a local folder.
+"""The judge: a generative model asked for a score, through an OpenAI-compatible endpoint or from a local
+folder.
 
 `{name: judge, kwargs: {model: ..., endpoint: ..., prompt: ...}}`. The prompt template holds {completion} and
-may hold {question} (the prompt's last user turn), {reference} (the record's solution), {low} and {high} (the score
-range). With `images: true` the record's image goes with the question (an `image_url` data URL to an endpoint;
-the image itself to a local vision-language model). As VLM-R1's `llm` method does, the answer judged is the last
-<answer>...</answer> of the completion when it has one, else the whole completion (`answer_only`), and the
-reference likewise. An empty answer gets `low` without a call.
+may hold {question} (the prompt's last user turn), {reference} (the record's solution), {low} and {high} (the
+score range). With `images: true` the record's image goes with the question (an `image_url` data URL to an
+endpoint; the image itself to a local vision-language model). As VLM-R1's `llm` method does, the answer judged
+is the last <answer>...</answer> of the completion when it has one, else the whole completion (`answer_only`),
+and the reference likewise. An empty answer gets `low` without a call.
 
 The reply is parsed strictly: it must be one number (nothing else but spaces) within [low, high]; the score is
 then mapped to [0, 1] (`normalise`, default) or kept. Any other reply is unreadable: masked and counted as
@@ -27,8 +28,8 @@ from vlmexp.model_rewards.base import ModelReward, ModelRewardError, Sample, Unr
 
 DEFAULT_PROMPT = (
     "You grade answers. Question: {question}\nReference answer: {reference}\nAnswer to grade: {completion}\n"
-    "How well does the answer to grade agree with the reference answer? Reply with one number from {low} (wrong) to "
-    "{high} (the same meaning) and nothing else."
+    "How well does the answer to grade agree with the reference answer? Reply with one number from "
+    "{low} (wrong) to {high} (the same meaning) and nothing else."
 )
 PROMPT_FIELDS = ("completion", "question", "reference", "low", "high")
 RECORDS = ("all", "llm")
@@ -107,8 +108,8 @@ class JudgeReward(ModelReward):
         if self.answer_only:
             answer = extract_answer(answer) or answer
             reference = extract_answer(reference) or reference
-        return self.prompt.format(completion=answer.strip(), question=sample.question, reference=reference.strip(),
-                                  low=f"{self.low:g}", high=f"{self.high:g}")
+        return self.prompt.format(completion=answer.strip(), question=sample.question,
+                                  reference=reference.strip(), low=f"{self.low:g}", high=f"{self.high:g}")
 
     def score_samples(self, samples: list[Sample], prompts: list[Any]):
         asked = [i for i, s in enumerate(samples) if (self.answer_text(s)).strip()]
@@ -128,7 +129,8 @@ class JudgeReward(ModelReward):
     def answer_text(self, sample: Sample) -> str:
         from vlmexp.answers import extract_answer
 
-        return (extract_answer(sample.completion) or sample.completion) if self.answer_only else sample.completion
+        return ((extract_answer(sample.completion) or sample.completion) if self.answer_only
+                else sample.completion)
 
     def scaled(self, value: float) -> float:
         return (value - self.low) / (self.high - self.low) if self.normalise else value
@@ -165,8 +167,9 @@ class JudgeReward(ModelReward):
             quoted = "; ".join(repr(u.said[:200]) for u in unreadable[:3])
             raise ModelRewardError(
                 f"judge: {len(unreadable)} of {scored} answers in this batch are not one number in "
-                f"[{self.low:g}, {self.high:g}] (over max_unparsable {self.max_unparsable:g}); the judge said: "
-                f"{quoted}. Make the prompt ask for the number alone, raise max_tokens, or use another judge model")
+                f"[{self.low:g}, {self.high:g}] (over max_unparsable {self.max_unparsable:g}); the judge "
+                f"said: {quoted}. Make the prompt ask for the number alone, raise max_tokens, or use another "
+                f"judge model")
 
 
 def local_judge(folder: str, trust_remote_code: bool):
@@ -190,13 +193,14 @@ def _load_local(folder: str, trust_remote_code: bool):
 
     config = Path(folder) / "config.json"
     if not config.is_file():
-        raise ModelRewardError(f"judge: {config} not found; kwargs.model must be a local model folder, or set "
-                               "kwargs.endpoint to ask a served model")
+        raise ModelRewardError(f"judge: {config} not found; kwargs.model must be a local model folder, "
+                               "or set kwargs.endpoint to ask a served model")
     model_type = json.loads(config.read_text()).get("model_type")  # a local folder: the judge runs offline
     device = PartialState().device
     if model_type in FAMILIES:  # a vision-language model of a vlmexp family, with the family's processor
         family = get_family(model_type)
-        model = getattr(transformers, family.model_class).from_pretrained(folder, trust_remote_code=trust_remote_code)
+        model = getattr(transformers, family.model_class).from_pretrained(folder,
+                                                                          trust_remote_code=trust_remote_code)
         processor = load_processor(folder, family, {}, trust_remote_code=trust_remote_code)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -218,8 +222,10 @@ def generate_replies(model, processor, prompts: list[list[dict]], images: list[l
     for start in range(0, len(prompts), batch_size):
         batch, pictures = prompts[start:start + batch_size], images[start:start + batch_size]
         texts = [processor.apply_chat_template(
-            [*p[:-1], {**p[-1], "content": [*({"type": "image"} for _ in ims), {"type": "text", "text": p[-1]["content"]}]}]
-            if ims else p, tokenize=False, add_generation_prompt=True) for p, ims in zip(batch, pictures, strict=True)]
+            [*p[:-1], {**p[-1], "content": [*({"type": "image"} for _ in ims),
+                                            {"type": "text", "text": p[-1]["content"]}]}]
+            if ims else p, tokenize=False, add_generation_prompt=True)
+                 for p, ims in zip(batch, pictures, strict=True)]
         flat = [im for ims in pictures for im in ims]
         extra = {"images": flat} if flat else {}
         inputs = processor(text=texts, return_tensors="pt", padding=True, add_special_tokens=False, **extra)

@@ -1,15 +1,16 @@
-"""The reward model: a sequence-classification model scores each (prompt, completion), as TRL's GRPOTrainer scores
-with a model in `reward_funcs` (trl/trainer/grpo_trainer.py, `_calculate_rewards`): the prompt's turns and the
-completion as an assistant turn through the reward model's own chat template, right-padded, no special tokens
-added, and the first logit of each sequence is the score; the pad token is the eos token when the tokenizer has
-none, and the model's config learns it (the score is read at the last token that is not padding).
+"""The reward model: a sequence-classification model scores each (prompt, completion), as TRL's GRPOTrainer
+scores with a model in `reward_funcs` (trl/trainer/grpo_trainer.py, `_calculate_rewards`): the prompt's turns
+and the completion as an assistant turn through the reward model's own chat template, right-padded, no special
+tokens added, and the first logit of each sequence is the score; the pad token is the eos token when the
+tokenizer has none, and the model's config learns it (the score is read at the last token that is not
+padding).
 
 `{name: reward_model, kwargs: {path: FOLDER}}`; options: `batch_size` (sequences per forward), `normalise`
 (none: the logit; sigmoid: into (0, 1); batch: standardised over the call's scores), `dtype` (auto, float32,
 bfloat16, float16), `trust_remote_code` (off unless set). A folder with an image processor
 (preprocessor_config.json) is a vision-language reward model: its processor gets the record's image with the
-turns. Loaded once per process, on the process's device (accelerate's PartialState), in eval mode; scored under
-torch.inference_mode.
+turns. Loaded once per process, on the process's device (accelerate's PartialState), in eval mode; scored
+under torch.inference_mode.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class RewardModelReward(ModelReward):
         calls = 0
         for start in range(0, len(samples), self.batch_size):
             batch = list(range(start, min(start + self.batch_size, len(samples))))
-            conversations = [[*text_messages(prompts[i]), {"role": "assistant", "content": samples[i].completion}]
+            conversations = [[*text_messages(prompts[i]),
+                              {"role": "assistant", "content": samples[i].completion}]
                              for i in batch]
-            inputs = encode(processor, conversations, [samples[i].image_path for i in batch] if vision else None)
+            inputs = encode(processor, conversations,
+                            [samples[i].image_path for i in batch] if vision else None)
             with torch.inference_mode():
                 logits = model(**inputs.to(model.device)).logits[:, 0]
             scores += logits.float().tolist()
@@ -82,17 +85,19 @@ def encode(processor, conversations: list[list[dict[str, Any]]], images: list[st
     `images`, each record's image at the start of its first user turn."""
     if images is None:
         texts = [processor.apply_chat_template(c, tokenize=False) for c in conversations]
-        return processor(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        return processor(texts, return_tensors="pt", padding=True, padding_side="right",
+                         add_special_tokens=False)
     from vlmexp.prompts import load_images
 
     pictures, texts = [], []
     for conversation, path in zip(conversations, images, strict=True):
         if not path:
-            raise ModelRewardError("reward_model: a vision-language reward model needs each record's image, and "
-                                   "this record has none; use a text reward model for text records")
+            raise ModelRewardError("reward_model: a vision-language reward model needs each record's image, "
+                                   "and this record has none; use a text reward model for text records")
         first = next(i for i, m in enumerate(conversation) if m["role"] == "user")
         turn = conversation[first]
-        conversation[first] = {**turn, "content": [{"type": "image"}, {"type": "text", "text": turn["content"]}]}
+        conversation[first] = {**turn, "content": [{"type": "image"},
+                                                   {"type": "text", "text": turn["content"]}]}
         texts.append(processor.apply_chat_template(conversation, tokenize=False))
         pictures += load_images([path])
     return processor(text=texts, images=pictures, return_tensors="pt", padding=True, padding_side="right",
@@ -116,22 +121,26 @@ def _load(path: str, dtype: str, trust_remote_code: bool):
 
     folder = Path(path)
     if not (folder / "config.json").is_file() and not is_hub_id(path):
-        raise ModelRewardError(f"reward_model: {folder / 'config.json'} not found; kwargs.path must be a sequence-"
-                               "classification model folder (config.json, weights, tokenizer)")
+        raise ModelRewardError(f"reward_model: {folder / 'config.json'} not found; kwargs.path must be a "
+                               "sequence-classification model folder (config.json, weights, tokenizer)")
     vision = (folder / "preprocessor_config.json").is_file()  # a Hub id is read as a text reward model
     loader = transformers.AutoProcessor if vision else transformers.AutoTokenizer
     processor = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.chat_template is None and getattr(processor, "chat_template", None) is None:
-        raise ModelRewardError(f"reward_model: {path} has no chat template, and the prompt and completion are read "
-                               "through it (as TRL reads them); add one to its tokenizer_config.json")
+        raise ModelRewardError(f"reward_model: {path} has no chat template, and the prompt and completion "
+                               "are read through it (as TRL reads them); add one to its "
+                               "tokenizer_config.json")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     try:
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            path, dtype="auto" if dtype == "auto" else getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            path, dtype="auto" if dtype == "auto" else getattr(torch, dtype),
+            trust_remote_code=trust_remote_code)
     except ValueError as e:
-        raise ModelRewardError(f"reward_model: {path} is not a sequence-classification model transformers can load "
-                               f"({str(e)[:300]}); give a folder saved from an AutoModelForSequenceClassification")
-    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the score is read before the padding
+        raise ModelRewardError(f"reward_model: {path} is not a sequence-classification model transformers "
+                               f"can load ({str(e)[:300]}); give a folder saved from an "
+                               f"AutoModelForSequenceClassification")
+    # the score is read before the padding
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     return model.to(PartialState().device).eval(), processor, vision

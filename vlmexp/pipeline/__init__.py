@@ -5,5 +5,6 @@
 - `steps`: a training stage and an evaluation as the pipeline runs them (in-process or as a deployment);
 - `report`: the evaluation run, curves and plots.
 
-MLflow itself (the tracker, logged models, registration) is `vlmexp.tracking`, which a stage's process uses too.
+MLflow itself (the tracker, logged models, registration) is `vlmexp.tracking`, which a stage's process uses
+too.
 """

@@ -10,15 +10,16 @@ from typing import Any
 from vlmexp.tracking.tracker import NullTracker
 
 
-def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list, table: list[dict[str, Any]],
-                       dataset: str | Path | None = None, headline: str | None = None, pictures: int = 0,
+def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list,
+                       table: list[dict[str, Any]], dataset: str | Path | None = None,
+                       headline: str | None = None, pictures: int = 0,
                        pictures_dir: str | Path | None = None) -> None:
     """One child run "eval" of `parent_run_id`: each model's metrics (`<name>/<metric>`) and per-sample table
-    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent). Each evaluated
-    model that a stage logged as a model gets its metrics too (`eval/<metric>` on the held-out `dataset`
-    manifest's data, and the `headline` metric as its run's first chart) and is an input of the run. The first
-    `pictures` records drawn with every model's boxes (vlmexp.pictures, written to `pictures_dir`) go to
-    evaluation/pictures/, their grid also to the parent's evaluation/grid.png."""
+    (`evaluations`: vlmexp.results.Evaluation), and the comparison `table` (also on the parent). Each
+    evaluated model that a stage logged as a model gets its metrics too (`eval/<metric>` on the held-out
+    `dataset` manifest's data, and the `headline` metric as its run's first chart) and is an input of the run.
+    The first `pictures` records drawn with every model's boxes (vlmexp.pictures, written to `pictures_dir`)
+    go to evaluation/pictures/, their grid also to the parent's evaluation/grid.png."""
     from vlmexp.pictures import write_evaluation_pictures
 
     run_id = tracker.start_stage(parent_run_id, "eval")
@@ -27,11 +28,13 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
         metrics = {**{f"{e.name}/{k}": v for k, v in e.metrics.items()}, f"{e.name}/seconds": e.seconds}
         tracker.log_metrics(run_id, metrics)
         models[e.name] = rows = [json.loads(line) for line in Path(e.samples).read_text().splitlines()]
-        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows], f"evaluation/{e.name}_samples.json")
+        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows],
+                          f"evaluation/{e.name}_samples.json")
     tracker.log_table(run_id, table, "evaluation/comparison.json")
     tracker.log_table(parent_run_id, table, "evaluation/comparison.json")
     if pictures and pictures_dir is not None and models:
-        files = write_evaluation_pictures(models, pictures, pictures_dir, "held-out records: " + ", ".join(models))
+        files = write_evaluation_pictures(models, pictures, pictures_dir,
+                                          "held-out records: " + ", ".join(models))
         for path in files:
             tracker.log_artifact(run_id, path, "evaluation/pictures")
         if files:
@@ -41,8 +44,8 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
 
 
 def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
-    """The parent run's first charts (`tracker.HEADLINE`): `metric` of the newest model, and the reward (GRPO) or
-    reward margin (DPO) of the last such stage at its last step. `run`: vlmexp.results.PipelineResult."""
+    """The parent run's first charts (`tracker.HEADLINE`): `metric` of the newest model, and the reward (GRPO)
+    or reward margin (DPO) of the last such stage at its last step. `run`: vlmexp.results.PipelineResult."""
     from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD
 
     values = {f"{HEADLINE}/{metric}": run.metrics()[metric]} if metric in run.metrics() else {}
@@ -57,8 +60,8 @@ def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
 
 
 def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
-    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and accuracies
-    for DPO, the loss for SFT."""
+    """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and
+    accuracies for DPO, the loss for SFT."""
     keys = tracker.metric_keys(run_id)
     if stage == "grpo":
         return [k for k in keys if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))]
@@ -67,7 +70,8 @@ def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
     return [k for k in keys if k == "loss"]
 
 
-def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path, title: str) -> Path | None:
+def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path,
+                title: str) -> Path | None:
     """A PNG of the metrics `keys` of `run_id` by step, or None when there is nothing to plot."""
     if not keys:
         return None

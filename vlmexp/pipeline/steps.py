@@ -52,7 +52,8 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     try:
         run_streaming(command, stage_env(), on_line)
     except BaseException as e:  # stopped (Ctrl-C, SIGTERM, a cancel): KILLED, as MLflow names a stopped run
-        stopped = isinstance(e, (StageInterrupted, KeyboardInterrupt)) or type(e).__name__ == "TerminationSignal"
+        stopped = (isinstance(e, (StageInterrupted, KeyboardInterrupt))
+                   or type(e).__name__ == "TerminationSignal")
         tracker.end(run_id, "KILLED" if stopped else "FAILED")
         raise
     seconds = time.monotonic() - start
@@ -60,11 +61,13 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
                       f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
     if png:
         tracker.log_artifact(run_id, png, "plots")
-    for pairs in (stage_dir / "pairs.jsonl", stage_dir / "pairs.json"):  # DPO's sampled pairs and their counts
+    # DPO's sampled pairs and their counts
+    for pairs in (stage_dir / "pairs.jsonl", stage_dir / "pairs.json"):
         if pairs.is_file():
             tracker.log_artifact(run_id, pairs, "pairs")
     memory, counts = stage_dir / "peak_memory.json", stage_dir / "pairs.json"
-    tracker.log_metrics(run_id, {"stage_seconds": seconds, **(json.loads(memory.read_text()) if memory.is_file() else {}),
+    tracker.log_metrics(run_id, {"stage_seconds": seconds,
+                                 **(json.loads(memory.read_text()) if memory.is_file() else {}),
                                  **({f"pairs/{k}": v for k, v in json.loads(counts.read_text()).items()}
                                     if counts.is_file() else {})})
     tracker.end(run_id, "FINISHED")
@@ -75,7 +78,8 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
 
 
 def write_result(folder: Path, result: R) -> R:
-    """Record a stage's result next to its outputs as stage_result.json (through a temporary file and a rename)."""
+    """Record a stage's result next to its outputs as stage_result.json (through a temporary file and a
+    rename)."""
     from vlmexp.files import atomic_write
 
     atomic_write(folder / RESULT_NAME, result.model_dump_json(indent=1) + "\n")

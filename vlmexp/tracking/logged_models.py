@@ -85,9 +85,10 @@ def forget_rotated_checkpoints(client, experiment_id: str, run_id: str) -> list[
 
 def log_export_model(client, experiment_id: str, run_id: str, folder: str | Path, copy: bool,
                      metrics: Mapping[str, float], dataset: tuple[str, str] | None) -> str:
-    """The exported `folder` as a logged model of run `run_id` (its files copied into it, or external), with the
-    evaluation `metrics` of the model it holds (`eval/<metric>`) and tag `vlmexp.exported_from`: the logged
-    model of the stage folder its manifest names as its source, when a stage logged one. Returns its id."""
+    """The exported `folder` as a logged model of run `run_id` (its files copied into it, or external), with
+    the evaluation `metrics` of the model it holds (`eval/<metric>`) and tag `vlmexp.exported_from`: the
+    logged model of the stage folder its manifest names as its source, when a stage logged one. Returns its
+    id."""
     model_id = log_folder_model(client, experiment_id, run_id, folder, "export", 0, copy=copy)
     manifest = Path(folder) / "manifest.json"
     made_from = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
@@ -100,7 +101,8 @@ def log_export_model(client, experiment_id: str, run_id: str, folder: str | Path
 
 
 def copy_step_metrics(client, run_id: str, model_id: str, step: int, keys: Iterable[str]) -> None:
-    """The run's values of `keys` at `step` onto the model, timestamps kept (the run's history is unchanged)."""
+    """The run's values of `keys` at `step` onto the model, timestamps kept (the run's history is
+    unchanged)."""
     from mlflow.entities import Metric
 
     metrics = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id)
@@ -109,13 +111,17 @@ def copy_step_metrics(client, run_id: str, model_id: str, step: int, keys: Itera
         client.log_batch(run_id, metrics=metrics, synchronous=True)
 
 
-def find_model(client, experiment_id: str, folder: str | Path, run_id: str | None = None, step: int | None = None):
+def find_model(client, experiment_id: str, folder: str | Path, run_id: str | None = None,
+               step: int | None = None):
     """The newest logged model of `folder` in the experiment (of `run_id` and `step` when given), or None."""
     folder, name = str(Path(folder).resolve()), model_name(folder)
-    where = ([f"name = '{name}'"] if "'" not in name else []) + ([f"source_run_id = '{run_id}'"] if run_id else [])
+    where = (([f"name = '{name}'"] if "'" not in name else [])
+             + ([f"source_run_id = '{run_id}'"] if run_id else []))
     token = None
-    while True:  # newest first; the folder is compared here, not in the filter (a path may hold any character)
-        page = client.search_logged_models([experiment_id], filter_string=" AND ".join(where) or None, page_token=token,
+    # newest first; the folder is compared here, not in the filter (a path may hold any character)
+    while True:
+        page = client.search_logged_models([experiment_id], filter_string=" AND ".join(where) or None,
+                                           page_token=token,
                                            order_by=[{"field_name": "creation_time", "ascending": False}])
         for model in page:
             if model.tags.get(PATH_TAG) == folder and (step is None or model.tags.get(STEP_TAG) == str(step)):
@@ -148,12 +154,13 @@ def register_version(client, uri: str, name: str, model_id: str, source: str, ru
     """A new version of registered model `name` made from logged model `model_id`, its files at `source`
     (`models:/<model_id>`: those MLflow holds for the model; else where they are). As `mlflow.register_model`
     does: the version names the model (and, as tag `model_id`, on stores that do not keep it), and the model
-    lists its versions (tag `mlflow.modelVersions`, the Models tab's registered-versions column). Returns it."""
+    lists its versions (tag `mlflow.modelVersions`, the Models tab's registered-versions column). Returns
+    it."""
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
     with tracking_uri_of_process(uri):
-        version = client.create_model_version(name, source, run_id=run_id, tags={**tags, "model_id": model_id},
-                                              model_id=model_id)
+        version = client.create_model_version(name, source, run_id=run_id,
+                                              tags={**tags, "model_id": model_id}, model_id=model_id)
     listed = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
     listed.append({"name": name, "version": str(version.version)})
     client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(listed)})
@@ -162,10 +169,11 @@ def register_version(client, uri: str, name: str, model_id: str, source: str, ru
 
 @contextlib.contextmanager
 def tracking_uri_of_process(uri: str) -> Iterator[None]:
-    """The process's tracking URI set to `uri` for a block, then put back as it was. MLflow's SQL registry resolves
-    a `models:/<model_id>` source through the process's URI, not the client's (mlflow/store/model_registry/
-    sqlalchemy_store.py, create_model_version: "TODO: Propagate tracking URI"); a tracking server resolves it in
-    its own store."""
+    """The process's tracking URI set to `uri` for a block, then put back as it was. MLflow's SQL registry
+    resolves a `models:/<model_id>` source through the process's URI, not the client's
+    (mlflow/store/model_registry/
+    sqlalchemy_store.py, create_model_version: "TODO: Propagate tracking URI"); a tracking server resolves it
+    in its own store."""
     import mlflow
     from mlflow.tracking import is_tracking_uri_set
 

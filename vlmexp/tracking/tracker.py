@@ -32,13 +32,13 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "finetuning"
 # bundle, checked in headless Chromium). `vlmexp ui` prints an address with it.
 UI_MODEL_TRAINING = "workflowType=machine_learning"
 DIGEST_CHARS = 16  # of a dataset input's digest: MLflow's store keeps up to 36 characters
-# The first charts of a run page. MLflow 3.17's UI makes one chart per metric, in sections named by the key up to
-# its last "/", sections sorted by name (JavaScript's sort: upper case before lower case) and charts by key, and
-# the keys without "/" last ("Model metrics"); the layout a person rearranges lives in the browser only
-# (RunsChartsCardConfig.getBaseChartAndSectionConfigs and RunViewMetricChartsV2 in its bundle, which keeps it in
-# localStorage), so names are the one lever the server has. TRL's keys are lower case (clip_ratio/..., the
-# first section before), so "Summary/reward" and "Summary/<export.metric>" open the page of a GRPO, DPO and
-# parent run.
+# The first charts of a run page. MLflow 3.17's UI makes one chart per metric, in sections named by the key up
+# to its last "/", sections sorted by name (JavaScript's sort: upper case before lower case) and charts by
+# key, and the keys without "/" last ("Model metrics"); the layout a person rearranges lives in the browser
+# only (RunsChartsCardConfig.getBaseChartAndSectionConfigs and RunViewMetricChartsV2 in its bundle, which
+# keeps it in localStorage), so names are the one lever the server has. TRL's keys are lower case
+# (clip_ratio/..., the first section before), so "Summary/reward" and "Summary/<export.metric>" open the page
+# of a GRPO, DPO and parent run.
 HEADLINE = "Summary"
 # the reward a stage's headline chart shows: (the Trainer's key, the chart's name)
 HEADLINE_REWARD = {"grpo": ("reward", "reward"), "dpo": ("rewards/margins", "reward_margin")}
@@ -121,8 +121,9 @@ class MlflowTracker(NullTracker):
                 self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         except (MlflowException, OSError) as e:
             reason = (e.message if isinstance(e, MlflowException) else str(e)).splitlines()[0]
-            raise ConnectionError(f"MLflow store {uri!r} cannot be used ({reason}); fix tracking.tracking_uri or "
-                                  "MLFLOW_TRACKING_URI, or set tracking.backend: none") from e
+            raise ConnectionError(f"MLflow store {uri!r} cannot be used ({reason}); "
+                                  "fix tracking.tracking_uri or MLFLOW_TRACKING_URI, "
+                                  "or set tracking.backend: none") from e
 
     def start_pipeline(self, name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=dict(tags))
@@ -138,7 +139,8 @@ class MlflowTracker(NullTracker):
     def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items() if not SECRET_NAME.search(k.split(".")[-1])]
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()
+                 if not SECRET_NAME.search(k.split(".")[-1])]
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i:i + 100])
 
@@ -168,9 +170,9 @@ class MlflowTracker(NullTracker):
         self.client.log_text(run_id, text, artifact_file)
 
     def log_datasets(self, run_id: str, manifests: Mapping[str, str | Path]) -> None:
-        """The sampled data as the run's dataset inputs, MLflow's Dataset column: {context: manifest} with context
-        "training" or "evaluation"; the digest is the manifest's content digest (the same data shows the same
-        digest in every run, wherever it was sampled), the profile its rows and sources."""
+        """The sampled data as the run's dataset inputs, MLflow's Dataset column: {context: manifest} with
+        context "training" or "evaluation"; the digest is the manifest's content digest (the same data shows
+        the same digest in every run, wherever it was sampled), the profile its rows and sources."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         inputs = []
@@ -200,36 +202,39 @@ class MlflowTracker(NullTracker):
     def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
                        metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
                        registration: Mapping[str, Any] | None = None) -> str:
-        """Log `folder` as a logged model of run `run_id`, with its evaluation `metrics` (`eval/<metric>`, on the
-        `dataset` manifest's data), and register that model as a new version of `name`. `registration` (mode
-        copy or reference, `vlmexp.tracking.registration`): copied, the model holds the files and the version's source is
-        `models:/<model_id>`; by reference, the model is external and the version points at the files where
-        they stay (`reference_target`)."""
+        """Log `folder` as a logged model of run `run_id`, with its evaluation `metrics` (`eval/<metric>`, on
+        the `dataset` manifest's data), and register that model as a new version of `name`. `registration`
+        (mode copy or reference, `vlmexp.tracking.registration`): copied, the model holds the files and the
+        version's source is `models:/<model_id>`; by reference, the model is external and the version points
+        at the files where they stay (`reference_target`)."""
         from mlflow.exceptions import MlflowException
 
         from vlmexp.tracking.logged_models import log_export_model, register_version
         from vlmexp.tracking.registration import reference_target
 
         if not registration or registration.get("mode") not in ("copy", "reference"):
-            raise ValueError(f"registration of {folder} must say mode copy or reference, not {registration!r}")
+            raise ValueError(f"registration of {folder} must say mode copy or reference, "
+                             f"not {registration!r}")
         copy = registration["mode"] == "copy"
         model_id = log_export_model(self.client, self.experiment_id, run_id, folder, copy, metrics or {},
                                     dataset_ref(dataset) if dataset else None)
         try:
             self.client.get_registered_model(name)
         except MlflowException:
-            self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` alias marks "
-                                                                  "the best version so far")
-        files = f"models:/{model_id}" if copy else reference_target(folder, model_id, registration.get("reference_uri"))
-        self.client.set_logged_model_tags(model_id, {"vlmexp.registration": registration["mode"], "vlmexp.files": files})
+            self.client.create_registered_model(name, description="Exported by vlmexp; the `champion` "
+                                                                  "alias marks the best version so far")
+        files = (f"models:/{model_id}" if copy
+                 else reference_target(folder, model_id, registration.get("reference_uri")))
+        self.client.set_logged_model_tags(model_id, {"vlmexp.registration": registration["mode"],
+                                                     "vlmexp.files": files})
         return register_version(self.client, self.uri, name, model_id, files, run_id, tags)
 
     def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
                              dataset: str | Path | None, headline: str | None = None) -> list[str]:
-        """Each evaluated model folder's metrics ({folder: metrics}) onto its logged model, as `eval/<metric>` at
-        the model's step in the run that made it, on the `dataset` manifest's data; the models become inputs of
-        the evaluation run. The `headline` metric is also `Summary/<headline>` in that run (its first chart). A
-        folder no run logged as a model (the base model) is left out. Returns the ids."""
+        """Each evaluated model folder's metrics ({folder: metrics}) onto its logged model, as `eval/<metric>`
+        at the model's step in the run that made it, on the `dataset` manifest's data; the models become
+        inputs of the evaluation run. The `headline` metric is also `Summary/<headline>` in that run (its
+        first chart). A folder no run logged as a model (the base model) is left out. Returns the ids."""
         from mlflow.entities import LoggedModelInput
 
         from vlmexp.tracking.logged_models import STEP_TAG, find_model, log_model_metrics
@@ -240,7 +245,8 @@ class MlflowTracker(NullTracker):
             if model is None:
                 continue
             step = int(model.tags.get(STEP_TAG, 0))
-            fresh = log_model_metrics(self.client, model.model_id, {f"eval/{k}": v for k, v in metrics.items()}, step,
+            fresh = log_model_metrics(self.client, model.model_id,
+                                      {f"eval/{k}": v for k, v in metrics.items()}, step,
                                       dataset_ref(dataset) if dataset else None)
             if headline in metrics and fresh:  # logged once, with the model's own metrics
                 self.log_metrics(model.source_run_id, {f"{HEADLINE}/{headline}": metrics[headline]}, step)

@@ -22,16 +22,16 @@ sizes per generation batch then train with HF generate. vLLM colocate shares the
 (`_generate_and_score_completions` builds the same forward inputs whatever generated the completions), so
 the fix and the guard hold there too. vLLM has a separate, known fault of its own in trl 1.16: it receives
 prompt ids with the image placeholders already expanded plus the raw image and may expand them again
-(huggingface/trl#6294, open; fixes proposed in #6718 and #6719); the guard sees the tensors the loss uses, not vLLM's
-internal prompt, so check vLLM rollouts against HF generate before trusting them.
+(huggingface/trl#6294, open; fixes proposed in #6718 and #6719); the guard sees the tensors the loss uses, not
+vLLM's internal prompt, so check vLLM rollouts against HF generate before trusting them.
 
 InternVL (found with the tiny InternVL, trl 1.16.0): each image is cut into 1 to max_patches + 1 tiles, so
 `pixel_values` is tile-indexed ([total tiles, 3, 448, 448]) and samples of one generation batch hold different
 numbers of rows. TRL 1.16 handles that itself: `_generate_and_score_completions` asks the image processor for
 each image's `num_patches` (with crop_to_patches=True, the image processor's own min/max_patches) whenever
 the rows are not one per image, returns them as `num_tiles`, and split_pixel_values_by_grid /
-shuffle_sequence_dict / `_get_per_token_logps_and_entropies` cut `pixel_values` by them. InternVLProcessor pads
-on the left by default and InternVL's positions are plain 1D ones (no token types, no rope index), so the
+shuffle_sequence_dict / `_get_per_token_logps_and_entropies` cut `pixel_values` by them. InternVLProcessor
+pads on the left by default and InternVL's positions are plain 1D ones (no token types, no rope index), so the
 right-padding fault above does not arise either. Measured: 8 prompts x 4 completions per step over images of
 1 to 7 tiles, 4 micro-batches, every sample's tiles, image tokens and pixels its own. What the pipeline must
 keep true is that TRL's tile count and the processor's agree: `set_image_budget` writes the config's
@@ -58,8 +58,8 @@ from trl import GRPOTrainer
 
 from vlmexp.families import Family
 
-# per-sample (record label, images, expected image layout, pixel checksum) that travels with the generation batch
-# through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
+# per-sample (record label, images, expected image layout, pixel checksum) that travels with the generation
+# batch through TRL's shuffle and split (lists are permuted and sliced in unison with the tensors)
 EXPECTED = "vlmexp_expected_images"
 
 
@@ -74,8 +74,8 @@ def left_pad(processor) -> None:
 
 def pixel_checksums(pixel_values: torch.Tensor, rows_per_sample: list[int]) -> list[float]:
     """One number per sample: the sum of every 64th value of its pixel rows (a Qwen-VL patch row, an InternVL
-    tile); enough to tell two images of one layout apart, a sixty-fourth of the work of summing them all (which
-    took ~1 s per demo step on 2 CPU cores)."""
+    tile); enough to tell two images of one layout apart, a sixty-fourth of the work of summing them all
+    (which took ~1 s per demo step on 2 CPU cores)."""
     device = pixel_values.device
     sample_of_row = torch.repeat_interleave(torch.arange(len(rows_per_sample), device=device),
                                             torch.tensor(rows_per_sample, device=device))
@@ -96,9 +96,9 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
         raise PairingError(
             f"GRPO step {step}: the records of this batch have {sum(images)} image(s) but the batch reaching "
             "the loss has none: TRL dropped the images of the whole batch (GRPOTrainer's 'Drop all images' "
-            "fallback when some sample's image-token count does not match its grids, e.g. truncated) and would "
-            "train on the text alone; stopped before the update. Raise max_completion_length or remove the "
-            "cause of the truncation")
+            "fallback when some sample's image-token count does not match its grids, e.g. truncated) "
+            "and would train on the text alone; stopped before the update. Raise max_completion_length or "
+            "remove the cause of the truncation")
     problems = []
     if num_images != list(images):
         problems.append(f"images per sample {num_images}, records have {list(images)}")
@@ -109,13 +109,15 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
                      for i, (g, e) in enumerate(zip(got, expected, strict=True)) if not torch.equal(g, e)]
         if sum(want_rows) == pixels.size(0):
             sums = pixel_checksums(pixels, want_rows)
-            problems += [f"sample {i} ({labels[i]}): pixels of another image (checksum {s:.6g}, its own {c:.6g})"
+            problems += [f"sample {i} ({labels[i]}): pixels of another image (checksum {s:.6g}, "
+                         f"its own {c:.6g})"
                          for i, (s, c) in enumerate(zip(sums, checksums, strict=True))
                          if abs(s - c) > 1e-6 * max(1.0, abs(c))]
     is_image = batch["prompt_ids"] == image_token_id  # [B, P]
     want_tokens = torch.tensor([family.layout_tokens(e, budget) for e in expected], device=is_image.device)
-    problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's {family.layout_name} "
-                 f"need {want_tokens[i].item()}" for i, n in enumerate(is_image.sum(1).tolist()) if n != want_tokens[i]]
+    problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's "
+                 f"{family.layout_name} need {want_tokens[i].item()}"
+                 for i, n in enumerate(is_image.sum(1).tolist()) if n != want_tokens[i]]
     types = batch.get("mm_token_type_ids")
     if types is not None:
         off = ((types[:, : is_image.size(1)] == 1) != is_image).any(1)
@@ -134,8 +136,8 @@ class GuardedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with the pairing guard; training itself is TRL's, unchanged.
 
     `_generate_and_score_completions` attaches each sample's expected image layout (the family's, from its
-    `image_sizes` column and the image budget) to the generation batch (and logs its image path and solution for
-    the completion table); `_prepare_inputs` checks the micro-batch it returns for the loss.
+    `image_sizes` column and the image budget) to the generation batch (and logs its image path and solution
+    for the completion table); `_prepare_inputs` checks the micro-batch it returns for the loss.
     `guard_seconds` adds up the time the guard costs (bench/grpo_guard.py reports it per step).
     """
 
@@ -146,8 +148,9 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.image_token_id = tokenizer.convert_tokens_to_ids(family.image_token)
 
     def _generate_and_score_completions(self, inputs):
-        # the record's image, solution, task and sizes as completion-table columns (TRL's log_extra, flushed with
-        # the batch): the table draws each completion's boxes from them (vlmexp.train.callbacks.CompletionTable)
+        # the record's image, solution, task and sizes as completion-table columns (TRL's log_extra, flushed
+        # with the batch): the table draws each completion's boxes from them
+        # (vlmexp.train.callbacks.CompletionTable)
         for column, key in (("image", "image_path"), ("solution", "solution"), ("task", "task"),
                             ("method", "accu_reward_method"), ("image_sizes", "image_sizes")):
             self._log_completion_extra(column, [x.get(key) for x in inputs])
