@@ -85,7 +85,7 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
     command = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={out}",
                "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=4",
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
-               "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.max_new_tokens=8",
+               "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.enabled=false",
                "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
     first_log = tmp_path / "first.log"
     first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,

@@ -22,10 +22,11 @@ import pytest
 from tests.conftest import SMALL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=40", "sft.args.save_steps=2",
+# SFT then GRPO, nothing after them: the stop comes in SFT, the resume runs the two stages to the end
+SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=24", "sft.args.save_steps=2",
              "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.args.max_steps=2",
-             "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "eval.max_new_tokens=12",
-             "pipeline.retry_delay_seconds=1"]
+             "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "eval.enabled=false",
+             "export.enabled=false", "pipeline.retry_delay_seconds=1"]
 LAUNCHERS = {"torchrun": ["launch.launcher=torchrun", "launch.nproc_per_node=2"],
              "local": ["launch.launcher=local"]}
 
