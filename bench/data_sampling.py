@@ -46,7 +46,8 @@ def build(work: Path, records: int, embedded: int) -> None:
         tmp = jsonl.with_suffix(".tmp")
         with tmp.open("w") as f:
             for start in range(0, records, 100_000):
-                f.write("".join(json.dumps({"image": f"images/{i % 1000}.png", "problem": f"the object number {i}",
+                f.write("".join(json.dumps({"image": f"images/{i % 1000}.png",
+                                            "problem": f"the object number {i}",
                                             "solution": [1, 2, 30, 40]}) + "\n"
                                 for i in range(start, min(records, start + 100_000))))
         tmp.rename(jsonl)
@@ -58,7 +59,8 @@ def build(work: Path, records: int, embedded: int) -> None:
             ids = np.arange(s * per, min(records, (s + 1) * per))
             pq.write_table(pa.table({"image": [f"../images/{i % 1000}.png" for i in ids],
                                      "problem": [f"the object number {i}" for i in ids],
-                                     "solution": [[1.0, 2.0, 30.0, 40.0]] * len(ids)}), shards / f"rec-{s:05d}.parquet")
+                                     "solution": [[1.0, 2.0, 30.0, 40.0]] * len(ids)}),
+                           shards / f"rec-{s:05d}.parquet")
     emb = work / "embedded.parquet"
     if not emb.is_file():
         rng = np.random.default_rng(0)
@@ -68,7 +70,8 @@ def build(work: Path, records: int, embedded: int) -> None:
             for i in range(start, min(embedded, start + 1000)):
                 buf = io.BytesIO()
                 Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
-                rows.append({"images": [{"bytes": buf.getvalue(), "path": None}], "problem": f"q{i}", "answer": "1"})
+                rows.append({"images": [{"bytes": buf.getvalue(), "path": None}], "problem": f"q{i}",
+                             "answer": "1"})
             table = pa.Table.from_pylist(rows)
             writer = writer or pq.ParquetWriter(emb.with_suffix(".tmp"), table.schema)
             writer.write_table(table)
@@ -78,8 +81,10 @@ def build(work: Path, records: int, embedded: int) -> None:
 
 def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
     """One sampling in a fresh process: wall seconds, peak RSS in MiB, rows kept."""
-    script = ("import sys, time, shutil; from pathlib import Path; from vlmexp.config.schema import DataSource; "
-              "from vlmexp.data.sampling import sample_sources; out = Path(sys.argv[3]); shutil.rmtree(out, True); "
+    script = ("import sys, time, shutil; from pathlib import Path; "
+              "from vlmexp.config.schema import DataSource; "
+              "from vlmexp.data.sampling import sample_sources; out = Path(sys.argv[3]); "
+              "shutil.rmtree(out, True); "
               "t = time.perf_counter(); r = sample_sources([DataSource(json_path=sys.argv[1], "
               "sampling_strategy=sys.argv[2])], out / 'train.jsonl', 1); "
               "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
@@ -87,8 +92,9 @@ def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
     args = [sys.executable, "-c", script, str(work / source), strategy, str(work / "out")]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:  # no pipe can fill up
+        # cwd: no checkout shadows --code
         proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, text=True, cwd=work,
-                                env={**os.environ, "PYTHONPATH": str(code)})  # cwd: no checkout shadows --code
+                                env={**os.environ, "PYTHONPATH": str(code)})
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         out_f.seek(0), err_f.seek(0)
@@ -99,8 +105,8 @@ def run_case(code: Path, work: Path, source: str, strategy: str) -> dict:
                 "peak_rss_mib_incl_parent": round(usage.ru_maxrss / 1024)}
     inner, rows, hwm_kib = out.split()
     # VmHWM: this process image's own peak (ru_maxrss would also count the parent's pages at fork)
-    return {"wall_s": round(wall, 2), "sample_s": round(float(inner), 2), "peak_rss_mib": round(int(hwm_kib) / 1024),
-            "rows": int(rows)}
+    return {"wall_s": round(wall, 2), "sample_s": round(float(inner), 2),
+            "peak_rss_mib": round(int(hwm_kib) / 1024), "rows": int(rows)}
 
 
 def main() -> None:
@@ -108,7 +114,8 @@ def main() -> None:
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--embedded", type=int, default=20_000)
     p.add_argument("--work", default="/tmp/vlmexp-bench-data")
-    p.add_argument("--code", default=str(Path(__file__).resolve().parents[1]), help="checkout whose vlmexp runs")
+    p.add_argument("--code", default=str(Path(__file__).resolve().parents[1]),
+                   help="checkout whose vlmexp runs")
     p.add_argument("--cases", default="", help="comma-separated case numbers (0-based); default all")
     p.add_argument("--out", help="write the results JSON here")
     a = p.parse_args()

@@ -1,7 +1,8 @@
 """The demo's learning claim across seeds and CPU arithmetics: one process per cell, one JSON per cell.
 
     .venv/bin/python bench/demo_matrix.py [--config configs/demo.yaml] [--seeds 42 7 1]
-        [--arithmetic default avx2 avx512] [--dpo configs/demo_dpo.yaml] [--threads N] [--jobs N] [--out-dir DIR] [k=v ...]
+        [--arithmetic default avx2 avx512] [--dpo configs/demo_dpo.yaml] [--threads N] [--jobs N]
+        [--out-dir DIR] [k=v ...]
     .venv/bin/python bench/demo_matrix.py --table [--out-dir DIR] [--readme README.md]
 
 Float results differ between CPUs: the same seed trains other weights under AVX-512, AVX2 and plain kernels.
@@ -10,11 +11,12 @@ MKL_ENABLE_INSTRUCTIONS, DNNL_MAX_CPU_ISA), so one machine computes as the other
 step down (an AVX2 CPU cannot compute as AVX-512, and such a cell is refused). Thread count changes the
 arithmetic too, so it is set and recorded (default: the cores of this machine, as `make demo` uses them).
 
-A cell calls the stages' own functions as `vlmexp run` chains them, with tracking off: data and the tiny model,
-SFT, GRPO from the SFT model (and with --dpo, DPO as that config says, from the same SFT model), then evaluation of every model on
-the held-out records. Its JSON holds each model's metrics, each stage's gain over SFT with the paired standard
-error over the held-out records, the seconds of each phase and the machine. --table prints the markdown table
-of the cells in --out-dir; with --readme it replaces the table between the README's demo-table markers.
+A cell calls the stages' own functions as `vlmexp run` chains them, with tracking off: data and the tiny
+model, SFT, GRPO from the SFT model (and with --dpo, DPO as that config says, from the same SFT model), then
+evaluation of every model on the held-out records. Its JSON holds each model's metrics, each stage's gain over
+SFT with the paired standard error over the held-out records, the seconds of each phase and the machine.
+--table prints the markdown table of the cells in --out-dir; with --readme it replaces the table between the
+README's demo-table markers.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ARITHMETIC = {  # what each setting makes torch, MKL and oneDNN use
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "DNNL_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "DNNL_MAX_CPU_ISA": "AVX512_CORE"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"},
-    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "DNNL_MAX_CPU_ISA": "SSE41"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "DNNL_MAX_CPU_ISA": "SSE41"},
 }
 NEEDS_FLAG = {"avx512": "avx512f", "avx2": "avx2", "default": "sse4_2"}
 MARKERS = ("<!-- demo-table:start -->", "<!-- demo-table:end -->")
@@ -49,7 +53,8 @@ def cpu_flags() -> set[str]:
 
 def machine() -> str:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")), platform.processor())
+    name = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")),
+                platform.processor())
     best = next(a for a in ARITHMETIC if NEEDS_FLAG[a] in cpu_flags())
     return f"{os.cpu_count()}-core {name} ({best} at best)"
 
@@ -92,8 +97,9 @@ def run_cell(config: str, seed: int, dpo_config: str | None, overrides: list[str
         if dpo_cfg is not None:
             for section in ("model", "data", "sft"):
                 if getattr(dpo_cfg, section) != getattr(cfg, section):
-                    raise SystemExit(f"{dpo_config}'s {section} section differs from {config}'s: DPO must start "
-                                     f"from the SFT model that {config} trains; make the sections equal")
+                    raise SystemExit(f"{dpo_config}'s {section} section differs from {config}'s: "
+                                     f"DPO must start from the SFT model that {config} trains; "
+                                     "make the sections equal")
         data = prepare_data(cfg)
         base, _ = resolve_model(cfg.model, Path(tmp))
         lap("start-up")
@@ -137,11 +143,12 @@ def launch(args: argparse.Namespace, seed: int, arithmetic: str) -> Path:
     record = json.loads(out.read_text())
     record.update(arithmetic=arithmetic, environment=ARITHMETIC[arithmetic], threads=args.threads,
                   machine=machine(), config=args.config, overrides=args.overrides,
-                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=REPO).stdout.strip())
+                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, cwd=REPO).stdout.strip())
     out.write_text(json.dumps(record, indent=2) + "\n")
     best = record["gains_over_sft"]
-    print(f"seed {seed} {arithmetic}: " + ", ".join(f"{k} {v['gain']:+.4f} (SE {v['se']:.4f})" for k, v in best.items()),
+    print(f"seed {seed} {arithmetic}: "
+          + ", ".join(f"{k} {v['gain']:+.4f} (SE {v['se']:.4f})" for k, v in best.items()),
           flush=True)
     return out
 
@@ -162,7 +169,8 @@ def table(out_dir: Path) -> str:
     rows = [head, rule]
     for c in cells:
         m, g = c["metrics"], c["gains_over_sft"]
-        row = (f"| {c['seed']} | {c['arithmetic']} | {m['base']['rec_mean_iou']:.3f} | {m['sft']['rec_mean_iou']:.3f} | "
+        row = (f"| {c['seed']} | {c['arithmetic']} | {m['base']['rec_mean_iou']:.3f} | "
+               f"{m['sft']['rec_mean_iou']:.3f} | "
                f"{m['grpo']['rec_mean_iou']:.3f} | {g['grpo']['gain']:+.3f} ({g['grpo']['se']:.3f}) | "
                f"{m['sft']['rec_acc50']:.3f} -> {m['grpo']['rec_acc50']:.3f} |")
         if has_dpo:
@@ -172,8 +180,9 @@ def table(out_dir: Path) -> str:
     threads = sorted({c["threads"] for c in cells})
     folder = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
     note = (f"\nMeasured on {', '.join(machines)}, {'/'.join(map(str, threads))} thread(s), config "
-            f"`{cells[0]['config']}` at {', '.join(sorted({c['commit'] for c in cells}))}; held-out rec_mean_iou "
-            f"of 256 records (bench/demo_matrix.py, one JSON per cell in {folder}, each with its phases' seconds).")
+            f"`{cells[0]['config']}` at {', '.join(sorted({c['commit'] for c in cells}))}; "
+            f"held-out rec_mean_iou of 256 records (bench/demo_matrix.py, one JSON per cell in {folder}, "
+            "each with its phases' seconds).")
     return "\n".join(rows) + "\n" + note
 
 
@@ -181,8 +190,8 @@ def write_readme(readme: Path, text: str) -> None:
     content = readme.read_text()
     start, end = (content.find(m) for m in MARKERS)
     if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {MARKERS[0]} ... {MARKERS[1]} block; add the two marker lines where "
-                         "the demo table belongs")
+        raise SystemExit(f"{readme} has no {MARKERS[0]} ... {MARKERS[1]} block; add the two marker lines "
+                         "where the demo table belongs")
     readme.write_text(content[: start + len(MARKERS[0])] + "\n" + text + "\n" + content[end:])
 
 
@@ -219,8 +228,8 @@ def main() -> None:
     wanted = args.arithmetic or [a for a in ARITHMETIC if NEEDS_FLAG[a] in flags]
     missing = [a for a in wanted if NEEDS_FLAG[a] not in flags]
     if missing:
-        raise SystemExit(f"this CPU cannot compute as {', '.join(missing)} (no {NEEDS_FLAG[missing[0]]} flag); "
-                         "leave it out of --arithmetic")
+        raise SystemExit(f"this CPU cannot compute as {', '.join(missing)} (no {NEEDS_FLAG[missing[0]]} "
+                         "flag); leave it out of --arithmetic")
     out_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir = str(out_dir)
     cells = [(seed, arithmetic) for seed in args.seeds for arithmetic in wanted]

@@ -1,7 +1,8 @@
 """Generation before and after the generation module, side by side in one process: the base commit's
-`vlmexp.evaluate.generate` (loaded from an unpacked `git archive` of that commit) and `vlmexp.generation.Generator`
-as the `generation:` section's CPU default resolves (eager, dynamic cache, no buckets), alternating call by call on
-the same held-out prompts of the demo's tiny model; outputs compared, seconds per call.
+`vlmexp.evaluate.generate` (loaded from an unpacked `git archive` of that commit) and
+`vlmexp.generation.Generator` as the `generation:` section's CPU default resolves (eager, dynamic cache, no
+buckets), alternating call by call on the same held-out prompts of the demo's tiny model; outputs compared,
+seconds per call.
 
     git archive 6026eae | tar -x -C /tmp/base
     .venv/bin/python bench/generation_before_after.py /tmp/base [--calls 6] [--prompts 16] [--new-tokens 24]
@@ -29,7 +30,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--out-dir", default=None, help="where the demo's model and data are built (default: temp)")
+    parser.add_argument("--out-dir", default=None,
+                        help="where the demo's model and data are built (default: temp)")
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location("base_evaluate", Path(args.base) / "vlmexp" / "evaluate.py")
     base = importlib.util.module_from_spec(spec)
@@ -51,7 +53,8 @@ def main() -> None:
     prompts = [build_prompt(r, cfg.data, family) for r in records]
     images = [load_images(r.images) for r in records]
     new = Generator.for_config(cfg, model, processor, family)
-    calls = {"before": lambda: base.generate(model, processor, family, prompts, images, args.new_tokens, 0.0, 8),
+    calls = {"before": lambda: base.generate(model, processor, family, prompts, images, args.new_tokens,
+                                             0.0, 8),
              "after": lambda: new(prompts, images, args.new_tokens, 0.0, 8)}
     seconds, outputs = {"before": [], "after": []}, {}
     for i in range(args.calls):
@@ -63,7 +66,8 @@ def main() -> None:
               "new_tokens": args.new_tokens, "identical_outputs": outputs["before"] == outputs["after"],
               **{name: {"median_s": statistics.median(v), "all_s": [round(x, 3) for x in v]}
                  for name, v in seconds.items()},
-              "ratio_after_before": statistics.median(seconds["after"]) / statistics.median(seconds["before"])}
+              "ratio_after_before": statistics.median(seconds["after"])
+                                    / statistics.median(seconds["before"])}
     print(json.dumps(result, indent=1))
 
 

@@ -1,7 +1,7 @@
 """GRPO phase costs at Qwen2.5-VL-3B's published shape: generation, log-prob passes, policy update, memory.
 
-    .venv/bin/python bench/gpu_grpo.py                 # on a GPU: 3B shape, bf16, 448x448 images, G=8, 256 tokens
-    .venv/bin/python bench/gpu_grpo.py --tiny          # anywhere: the same code at the tiny shape (tested on CPU)
+    .venv/bin/python bench/gpu_grpo.py           # on a GPU: 3B shape, bf16, 448x448 images, G=8, 256 tokens
+    .venv/bin/python bench/gpu_grpo.py --tiny    # anywhere: the same code at the tiny shape (tested on CPU)
     [--repeats 3] [--out bench/results/gpu_grpo.json]
 
 The model is built offline from the 3B config values (random weights; cost does not depend on the values),
@@ -72,15 +72,17 @@ def main() -> None:
     from PIL import Image
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU-friendly), for tests and smoke runs")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shape (CPU-friendly), for tests and smoke runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--generations", type=int, default=None, help="sequences generated at once (default 8; "
-                        "tiny: 2)")
-    parser.add_argument("--compile", action="store_true", help="generate as the generation section's compiled "
-                        "setting does (static cache, torch.compile; vlmexp.generation)")
-    parser.add_argument("--generate-only", action="store_true", help="time generation alone (64 sequences' update "
-                        "in one batch would not fit)")
+    parser.add_argument("--generations", type=int, default=None,
+                        help="sequences generated at once (default 8; tiny: 2)")
+    parser.add_argument("--compile", action="store_true",
+                        help="generate as the generation section's compiled setting does (static cache, "
+                        "torch.compile; vlmexp.generation)")
+    parser.add_argument("--generate-only", action="store_true",
+                        help="time generation alone (64 sequences' update in one batch would not fit)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -94,7 +96,8 @@ def main() -> None:
     model, processor = build(TinySpec() if args.tiny else SHAPES["qwen2.5-vl-3b"], device, dtype)
     lm_params = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
     tokenizer = processor.tokenizer
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find the red circle."}]}]
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "Find the red circle."}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     image = Image.new("RGB", (side, side), (200, 40, 40))
     inputs = processor(text=[text] * G, images=[image] * G, return_tensors="pt", padding=True).to(device)
@@ -107,14 +110,16 @@ def main() -> None:
         sync(device)
         t = time.perf_counter()
         with torch.no_grad():  # not inference_mode: the sequences feed the update's autograd graph
-            seqs = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                                  suppress_tokens=eos, pad_token_id=tokenizer.pad_token_id, **compiled)
+            seqs = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=True, suppress_tokens=eos, pad_token_id=tokenizer.pad_token_id,
+                                  **compiled)
         sync(device)
         gen = time.perf_counter() - t
         if args.generate_only:
             phases["generation_s"].append(gen)
             continue
-        batch = {k: inputs[k].clone() for k in ("pixel_values", "image_grid_thw")}  # per-token inputs cover the prompt only
+        # per-token inputs cover the prompt only
+        batch = {k: inputs[k].clone() for k in ("pixel_values", "image_grid_thw")}
         mask = torch.ones_like(seqs)
         t = time.perf_counter()
         with torch.no_grad():
@@ -144,7 +149,8 @@ def main() -> None:
         "lm_parameters": lm_params, "G": G, "new_tokens": new_tokens, "compiled_generation": args.compile,
         "image": f"{side}x{side}",
         "sequence_tokens": int(seqs.shape[1]), "repeats": args.repeats,
-        "phases_s": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in phases.items()},
+        "phases_s": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+                     for k, v in phases.items()},
         "generation_tokens_per_s": G * new_tokens / med["generation_s"],
         "update_tokens_per_s": rate("update_s", tokens),
         "matmul_peak_tflops": peak / 1e12,

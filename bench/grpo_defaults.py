@@ -55,7 +55,8 @@ def main() -> None:
     result = {"rounds": args.rounds, "steps_per_run": args.steps, "args": ARGS, "variants": {
         name: {"overrides": list(VARIANTS[name]), "step_s": summary(times[name][0]),
                "ratio_to_default": statistics.median(times[name][0]) / default,
-               "turn_s": summary(walls[name]), "turn_ratio_to_default": statistics.median(walls[name]) / default_turn,
+               "turn_s": summary(walls[name]),
+               "turn_ratio_to_default": statistics.median(walls[name]) / default_turn,
                "completion_length": statistics.mean(times[name][1])}
         for name in VARIANTS}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,13 +30,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # the GRPO step its recorded results measured: 8 prompts x G 8 per optimizer step as 8 micro-batches of one
-# prompt, 48 new tokens (the demo's step until 2026-11-23; configs/demo.yaml now takes the 64 in one micro-batch)
+# prompt, 48 new tokens (the demo's step until 2026-11-23; configs/demo.yaml now takes the 64 in one
+# micro-batch)
 ARGS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8, "num_generations": 8,
-        "max_completion_length": 48, "temperature": 0.7, "learning_rate": 1e-4, "warmup_steps": 15, "beta": 0.0,
-        "logging_steps": 1, "save_strategy": "no", "report_to": [], "seed": 42}
+        "max_completion_length": 48, "temperature": 0.7, "learning_rate": 1e-4, "warmup_steps": 15,
+        "beta": 0.0, "logging_steps": 1, "save_strategy": "no", "report_to": [], "seed": 42}
 # set on vlmexp's side too, whatever configs/demo.yaml says
-SAME = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "max_completion_length",
-        "temperature", "learning_rate", "warmup_steps", "beta")
+SAME = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+        "max_completion_length", "temperature", "learning_rate", "warmup_steps", "beta")
 
 
 def call(command: list[str], env: dict[str, str] | None = None) -> None:
@@ -200,7 +201,8 @@ def train_in_turns(trainers: dict[str, Any], rounds: int):
             seconds, lengths = step_times(trainer.state.log_history)
             times[side][0].extend(seconds)
             times[side][1].extend(lengths)
-            walls[side].extend(turns.walls[side][2:-1])  # the steps step_times keeps (the last turn only logs)
+            # the steps step_times keeps (the last turn only logs)
+            walls[side].extend(turns.walls[side][2:-1])
         print(f"round {i + 1}: " + ", ".join(f"{side} median {statistics.median(t[0]):.3f}s"
                                               for side, t in times.items()), flush=True)
     return times, walls
@@ -213,7 +215,8 @@ def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
 
     from vlmexp.train.grpo import build_grpo_trainer
 
-    trainers = {"plain": build(model, train, str(work / "plain"), {**ARGS, "max_steps": steps}, prompt_template()),
+    trainers = {"plain": build(model, train, str(work / "plain"), {**ARGS, "max_steps": steps},
+                               prompt_template()),
                 "vlmexp": build_grpo_trainer(vlmexp_config(work, steps))[0]}
     return train_in_turns(trainers, rounds)
 
@@ -263,8 +266,8 @@ def main() -> None:
                     seconds, lengths = run()
                     times[side][0].extend(seconds)
                     times[side][1].extend(lengths)
-                print(f"round {i + 1}: plain median {statistics.median(times['plain'][0]):.3f}s, vlmexp median "
-                      f"{statistics.median(times['vlmexp'][0]):.3f}s", flush=True)
+                print(f"round {i + 1}: plain median {statistics.median(times['plain'][0]):.3f}s, "
+                      f"vlmexp median {statistics.median(times['vlmexp'][0]):.3f}s", flush=True)
     (plain, plain_len), (ours, our_len) = times["plain"], times["vlmexp"]
     result = {"mode": "in-process" if args.in_process else "processes", "rounds": args.rounds,
               "steps_per_run": args.steps, "args": ARGS, "plain_trl_step_s": summary(plain),

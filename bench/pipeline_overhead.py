@@ -1,6 +1,7 @@
 """Where the demo pipeline's wall time goes: training and evaluation against orchestration and tracking.
 
-    .venv/bin/python bench/pipeline_overhead.py [k=v overrides ...] [--out bench/results/pipeline_overhead.json]
+    .venv/bin/python bench/pipeline_overhead.py [k=v overrides ...]
+        [--out bench/results/pipeline_overhead.json]
 
 Runs `vlmexp run configs/demo.yaml` in a fresh output folder (own MLflow store, own Prefect home whose
 database is created by one start of the temporary server beforehand, timed apart as the one-off cost of a
@@ -38,11 +39,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "demo"
-        env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "PREFECT_LOCAL_STORAGE_PATH": f"{tmp}/prefect/storage"}
-        # A user's Prefect home holds its database from the first run on; the first start creates it (migrations,
-        # block types). Time that once, apart, so the pipeline is measured the way it runs every later time.
+        env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect",
+               "PREFECT_LOCAL_STORAGE_PATH": f"{tmp}/prefect/storage"}
+        # A user's Prefect home holds its database from the first run on; the first start creates it
+        # (migrations, block types). Time that once, apart, so the pipeline is measured the way it runs every
+        # later time.
         cold = time.monotonic()
-        subprocess.run([sys.executable, "-c", "from prefect.server.api.server import SubprocessASGIServer as S; "
+        subprocess.run([sys.executable, "-c",
+                        "from prefect.server.api.server import SubprocessASGIServer as S; "
                         "s = S(); s.start(); s.stop()"], check=True, env=env, capture_output=True)
         cold = time.monotonic() - cold
         start, started_at = time.monotonic(), time.time()
@@ -116,7 +120,8 @@ def prefect_phases(log: str, started_at: float, ended_at: float) -> dict[str, fl
     return phases
 
 
-def time_metric_logging(uri: str, run_id: str, example: dict[str, float], repeats: int = 20) -> dict[str, float]:
+def time_metric_logging(uri: str, run_id: str, example: dict[str, float],
+                        repeats: int = 20) -> dict[str, float]:
     """Median seconds one log entry (all of a GRPO step's metrics) costs the caller, sync and async."""
     import mlflow
 
@@ -125,13 +130,16 @@ def time_metric_logging(uri: str, run_id: str, example: dict[str, float], repeat
     with mlflow.start_run(run_id=run_id):
         for step in range(repeats):
             t = time.perf_counter()
-            mlflow.log_metrics({f"bench/{k}": v for k, v in example.items()}, step=10_000 + step, synchronous=True)
+            mlflow.log_metrics({f"bench/{k}": v for k, v in example.items()}, step=10_000 + step,
+                               synchronous=True)
             sync.append(time.perf_counter() - t)
             t = time.perf_counter()
-            mlflow.log_metrics({f"bench/{k}": v for k, v in example.items()}, step=20_000 + step, synchronous=False)
+            mlflow.log_metrics({f"bench/{k}": v for k, v in example.items()}, step=20_000 + step,
+                               synchronous=False)
             asynchronous.append(time.perf_counter() - t)
         mlflow.flush_async_logging()
-    return {"keys": len(example), "sync_s": statistics.median(sync), "async_s": statistics.median(asynchronous)}
+    return {"keys": len(example), "sync_s": statistics.median(sync),
+            "async_s": statistics.median(asynchronous)}
 
 
 if __name__ == "__main__":

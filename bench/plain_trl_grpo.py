@@ -46,8 +46,10 @@ def build(model_path: str, train: str, out: str, args: dict, template: str):
     for r in read_sampled(train):
         rows.append({"prompt": [{"role": "user", "content": template.format(problem=r.problem)}],
                      "images": [Image.open(r.images[0]).convert("RGB")], "solution": r.solution})
-    processor = load_processor(model_path, get_family("qwen2_5_vl"), {"min_pixels": 3136, "max_pixels": 102400})
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype="float32", attn_implementation="sdpa")
+    processor = load_processor(model_path, get_family("qwen2_5_vl"),
+                               {"min_pixels": 3136, "max_pixels": 102400})
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype="float32",
+                                                        attn_implementation="sdpa")
     config = GRPOConfig(output_dir=out, **{"bf16": False, **args})  # float32, as the demo config trains
     return GRPOTrainer(model=model, reward_funcs=[iou], args=config, train_dataset=Dataset.from_list(rows),
                        processing_class=processor)

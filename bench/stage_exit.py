@@ -25,7 +25,8 @@ def exit_seconds(variant: str, out: str) -> tuple[float, float]:
     start = time.monotonic()
     proc = subprocess.Popen([*VARIANTS[variant], "train", "sft", "--config", "configs/demo.yaml",
                              f"run.output_dir={out}", "tracking.backend=none", "sft.args.max_steps=2",
-                             "sft.args.save_steps=2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "sft.args.save_steps=2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
     last = None
     for line in proc.stdout:
         if "final model in" in line:
@@ -44,7 +45,8 @@ def main() -> None:
     for i in range(args.runs):
         for variant in VARIANTS:  # alternating, so a change in the machine's load hits both alike
             total, tail = exit_seconds(variant, f"{args.out}/{variant}{i}")
-            print(f"{variant} run {i + 1}: total {total:.2f} s, exit after the last line {tail:.2f} s", flush=True)
+            print(f"{variant} run {i + 1}: total {total:.2f} s, exit after the last line {tail:.2f} s",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 """What MLflow's system-metrics sampling costs a training step (`tracking.system_metrics`).
 
-    .venv/bin/python bench/system_metrics_cost.py [--sft-steps 48] [--grpo-steps 16] [--block 4] [--seconds 10]
-        [--out bench/results/system_metrics_cost.json]
+    .venv/bin/python bench/system_metrics_cost.py [--sft-steps 48] [--grpo-steps 16] [--block 4]
+        [--seconds 10] [--out bench/results/system_metrics_cost.json]
 
 Three measurements, on configs/demo.yaml's SFT and GRPO steps (its batch sizes; 256 generated records):
 
-1. Steps with and without the sampler, in one process: the stage is trained in-process (`run_sft` / `run_grpo`,
-   tracking on, the sampler under this script's control) and a callback starts MLflow's monitor (the class
-   `mlflow.start_run(log_system_metrics=True)` starts) for some blocks of `--block` steps and stops it for
-   others, in the order on, off, off, on (repeated): a minute in which the shared machine runs slow falls on both
-   sides alike. Per step: wall seconds from `on_step_begin` to `on_step_end`.
+1. Steps with and without the sampler, in one process: the stage is trained in-process (`run_sft` /
+   `run_grpo`, tracking on, the sampler under this script's control) and a callback starts MLflow's monitor
+   (the class `mlflow.start_run(log_system_metrics=True)` starts) for some blocks of `--block` steps and stops
+   it for others, in the order on, off, off, on (repeated): a minute in which the shared machine runs slow
+   falls on both sides alike. Per step: wall seconds from `on_step_begin` to `on_step_end`.
 2. The sampler's own CPU time in those runs: every monitor thread's user + system seconds (psutil, read before
    it stops), per second of sampling.
-3. One sample timed alone, 100 times in this process: every monitor's `collect_metrics` and `aggregate_metrics`,
-   the batch logged to a sqlite store and the run status read, as the thread does it.
+3. One sample timed alone, 100 times in this process: every monitor's `collect_metrics` and
+   `aggregate_metrics`, the batch logged to a sqlite store and the run status read, as the thread does it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def toggling_callback(seconds: float, block: int):
 
             on = PATTERN[(state.global_step // block) % len(PATTERN)]
             if on and self.monitor is None:
-                self.monitor = SystemMetricsMonitor(mlflow.active_run().info.run_id, sampling_interval=seconds)
+                self.monitor = SystemMetricsMonitor(mlflow.active_run().info.run_id,
+                                                    sampling_interval=seconds)
                 self.monitor.start()
                 self.since = time.monotonic()
             elif not on and self.monitor is not None:

@@ -3,15 +3,15 @@
     bench/gpu/run.sh OUT_DIR                 # on the GPU box (installs .whl/ first; see bench/gpu/README.md)
     python bench/gpu/harness.py OUT_DIR [--tiny] [--dry-run] [--only CASE,...] [--budget-s 540]
 
-Cases (each a fresh process, `bench/gpu/stage.py`, i.e. `vlmexp train` in-process plus a step recorder):
-SFT, DPO and GRPO x full / LoRA r 64 x activation checkpointing on / off, random weights at the 3B shape (bf16,
+Cases (each a fresh process, `bench/gpu/stage.py`, i.e. `vlmexp train` in-process plus a step recorder): SFT,
+DPO and GRPO x full / LoRA r 64 x activation checkpointing on / off, random weights at the 3B shape (bf16,
 sdpa, 448 x 448 images, GRPO 8 generations x 256 new tokens; DPO's pairs from the model's own samples), then
-the `AutoProcessor` check, GRPO with 8 prompts of mixed image sizes a step (the pairing guard's cost), the GRPO
-phase benchmark (bench/gpu_grpo.py), DeepSpeed ZeRO-2 and ZeRO-3 for two SFT steps when it installs, and the
-embedded demo (bench/demo_matrix.py, one seed) on the GPU. Cases run in that order (or --only's)
-until --budget-s is spent; the rest are recorded as skipped. OUT_DIR/results.json is rewritten after every
-case, so a run cut off still leaves what it measured. `--tiny` runs the same at the tiny shape on CPU (what
-CI tests); `--dry-run` writes the plan and the environment without training.
+the `AutoProcessor` check, GRPO with 8 prompts of mixed image sizes a step (the pairing guard's cost), the
+GRPO phase benchmark (bench/gpu_grpo.py), DeepSpeed ZeRO-2 and ZeRO-3 for two SFT steps when it installs, and
+the embedded demo (bench/demo_matrix.py, one seed) on the GPU. Cases run in that order (or --only's) until
+--budget-s is spent; the rest are recorded as skipped. OUT_DIR/results.json is rewritten after every case, so
+a run cut off still leaves what it measured. `--tiny` runs the same at the tiny shape on CPU (what CI tests);
+`--dry-run` writes the plan and the environment without training.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def stage_cases() -> dict[str, dict]:
                     "kind": "stage", "stage": stage,
                     "overrides": [o.format(stage=stage) for o in peft]
                     + [f"{stage}.args.activation_checkpointing={'true' if ckpt == 'on' else 'false'}"]
-                    + (["grpo.rewards=[{name: 'pair_reward:char_variety', weight: 1.0}]"] if stage == "dpo" else [])}
+                    + (["grpo.rewards=[{name: 'pair_reward:char_variety', weight: 1.0}]"]
+                       if stage == "dpo" else [])}
     return cases
 
 
@@ -54,7 +55,8 @@ def mixed_size_case(s: dict) -> dict:
     side = s["side"]
     return {"kind": "stage", "stage": "grpo", "overrides": [
         LORA[0].format(stage="grpo"), "grpo.args.activation_checkpointing=true",
-        f"data.demo.width=[{max(64, side // 2)},{side * 3 // 2}]", f"data.demo.height=[{max(64, side // 2)},{side * 3 // 2}]",
+        f"data.demo.width=[{max(64, side // 2)},{side * 3 // 2}]",
+        f"data.demo.height=[{max(64, side // 2)},{side * 3 // 2}]",
         "grpo.args.gradient_accumulation_steps=8", f"grpo.args.max_completion_length={s['new_tokens'] // 2}",
         f"grpo.args.generation_kwargs={{min_new_tokens: {s['new_tokens'] // 2}}}"]}
 
@@ -65,18 +67,23 @@ SIXTY_FOUR = ["grpo.args.gradient_accumulation_steps=8", "grpo.args.steps_per_ge
 
 
 def speed_cases() -> dict[str, dict]:
-    """Generation and update speed: each figure before (generation.compile=off, what the pipeline did before the
-    generation section) and after (the default on CUDA: compiled, static cache, prompt buckets), same call."""
+    """Generation and update speed: each figure before (generation.compile=off, what the pipeline did before
+    the generation section) and after (the default on CUDA: compiled, static cache, prompt buckets), same
+    call."""
     grpo = stage_cases()["grpo-full-ckpton"]
     with_args = lambda *extra: {**grpo, "overrides": [*grpo["overrides"], *extra]}
     return {"grpo-full-ckpton-eager": with_args(*EAGER),
-            "grpo64-full-ckpton-eager": with_args(*SIXTY_FOUR, *EAGER), "grpo64-full-ckpton": with_args(*SIXTY_FOUR),
-            # the update's time at 64 completions: a torch.profiler trace of the second step into OUT_DIR/traces
+            "grpo64-full-ckpton-eager": with_args(*SIXTY_FOUR, *EAGER),
+            "grpo64-full-ckpton": with_args(*SIXTY_FOUR),
+            # the update's time at 64 completions: a torch.profiler trace of the second step into
+            # OUT_DIR/traces
             "grpo64-full-ckpton-profile": {**with_args(*SIXTY_FOUR), "profile_step": 2},
-            # lean-update trials: activation checkpointing off (memory allowing), the model compiled for training
+            # lean-update trials: activation checkpointing off (memory allowing), the model compiled for
+            # training
             "grpo64-full-ckptoff": with_args(*SIXTY_FOUR, "grpo.args.activation_checkpointing=false"),
             "grpo64-full-ckpton-torch-compile": with_args(*SIXTY_FOUR, "grpo.args.torch_compile=true"),
-            # raw `generate` at the same shape, compiled (static cache): what generation through TRL is held to
+            # raw `generate` at the same shape, compiled (static cache): what generation through TRL is
+            # held to
             "raw-generate-compiled-8": {"kind": "gpu_grpo", "args": ["--generations", "8", "--compile"]},
             "raw-generate-compiled-64": {"kind": "gpu_grpo", "args": ["--generations", "64", "--compile",
                                                                               "--generate-only"]}}
@@ -100,10 +107,11 @@ def all_cases(tiny: bool = False) -> dict[str, dict]:
 
 
 # the speed targets in two device calls of under 10 minutes each (bench/gpu/README.md)
-SUITES = {"speed-a": ["grpo-full-ckpton-eager", "grpo-full-ckpton", "raw-generate-compiled-8", "raw-generate-compiled-64",
-                      "grpo64-full-ckpton-eager", "grpo64-full-ckpton"],
-          "speed-b": ["grpo64-full-ckpton-profile", "grpo-mixed-sizes-lora64-eager", "grpo-mixed-sizes-lora64",
-                      "demo-eager", "demo", "grpo64-full-ckptoff", "grpo64-full-ckpton-torch-compile"]}
+SUITES = {"speed-a": ["grpo-full-ckpton-eager", "grpo-full-ckpton", "raw-generate-compiled-8",
+                      "raw-generate-compiled-64", "grpo64-full-ckpton-eager", "grpo64-full-ckpton"],
+          "speed-b": ["grpo64-full-ckpton-profile", "grpo-mixed-sizes-lora64-eager",
+                      "grpo-mixed-sizes-lora64", "demo-eager", "demo", "grpo64-full-ckptoff",
+                      "grpo64-full-ckpton-torch-compile"]}
 
 
 def shape(tiny: bool) -> dict:
@@ -156,8 +164,8 @@ def environment() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "cuda": cuda, "python": sys.version.split()[0],
-            "packages": versions}
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "cuda": cuda,
+            "python": sys.version.split()[0], "packages": versions}
 
 
 def matmul_peak_tflops(tiny: bool) -> float:
@@ -178,8 +186,8 @@ def build_model(work: Path, s: dict) -> tuple[Path, float]:
     t = time.perf_counter()
     spec = TinySpec() if s["spec"] == "tiny" else SHAPES[s["spec"]]
     device = "cuda" if torch.cuda.is_available() else None
-    folder = make_tiny_model(work / "model", "qwen2_5_vl", spec, dtype=None if s["spec"] == "tiny" else s["dtype"],
-                             device=device)
+    folder = make_tiny_model(work / "model", "qwen2_5_vl", spec,
+                             dtype=None if s["spec"] == "tiny" else s["dtype"], device=device)
     torch.cuda.empty_cache() if device else None
     return folder, time.perf_counter() - t
 
@@ -188,12 +196,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="folder for results.json and the per-case logs")
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (what CI runs)")
-    parser.add_argument("--dry-run", action="store_true", help="write the plan and environment, train nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the plan and environment, train nothing")
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--suite", choices=sorted(SUITES), default=None,
                         help="a named list of cases (--only's alternative): " + "; ".join(
                             f"{k}: {', '.join(v)}" for k, v in SUITES.items()))
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="stop starting cases after this many seconds")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--hide", default="mlflow,prefect",
                         help="packages the training processes must not import (made unimportable there)")

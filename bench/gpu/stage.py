@@ -1,13 +1,14 @@
-"""One training stage exactly as `vlmexp train sft|grpo` runs it in-process, plus a callback that records each step.
+"""One training stage exactly as `vlmexp train sft|grpo` runs it in-process,
+plus a callback that records each step.
 
     python bench/gpu/stage.py sft|dpo|grpo CONFIG RECORD.json [key=value ...] [--hide mlflow,prefect]
 
 `--hide` makes those packages unimportable in this process, as on a GPU box that lacks them (CI checks
 that `tracking.backend: none` trains without mlflow and prefect that way).
 
-`vlmexp train` (launcher local) calls `run_sft(cfg)` / `run_dpo(cfg)` / `run_grpo(cfg)`; this calls the same functions
-(`run_grpo` is `build_grpo_trainer` + `train_and_save`, done here in two steps so the GRPO phases can be
-timed) with `StepRecorder` among the trainer's callbacks, and writes what it saw to RECORD.json:
+`vlmexp train` (launcher local) calls `run_sft(cfg)` / `run_dpo(cfg)` / `run_grpo(cfg)`; this calls the same
+functions (`run_grpo` is `build_grpo_trainer` + `train_and_save`, done here in two steps so the GRPO phases
+can be timed) with `StepRecorder` among the trainer's callbacks, and writes what it saw to RECORD.json:
 per optimizer step its wall time, GRPO's generation / log-prob / update split and the seconds its pairing
 guard took, the tokens TRL counted, peak GPU memory; and which of mlflow / prefect the run imported.
 `--profile-step N --trace-dir DIR` (GRPO) records a torch.profiler trace of optimizer step N into DIR.
@@ -156,7 +157,8 @@ def main() -> None:
     parser.add_argument("record")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--hide", default="", help="comma-separated packages to make unimportable")
-    parser.add_argument("--profile-step", type=int, default=0, help="GRPO: trace this optimizer step (1-based)")
+    parser.add_argument("--profile-step", type=int, default=0,
+                        help="GRPO: trace this optimizer step (1-based)")
     parser.add_argument("--trace-dir", default=None, help="where --profile-step writes its trace")
     args = parser.parse_args()
     for name in filter(None, args.hide.split(",")):
@@ -182,11 +184,13 @@ def main() -> None:
         trainer, inputs, rows = build_grpo_trainer(cfg, None, [recorder, *profile])
         instrument_grpo(trainer, recorder)
         final = train_and_save(trainer, inputs, rows)
-        result["completions_per_step"] = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+        result["completions_per_step"] = (trainer.args.per_device_train_batch_size
+                                          * trainer.args.gradient_accumulation_steps)
         result["trace_dir"] = args.trace_dir if args.profile_step else None
     result.update(recorder.model_info, final=str(final), steps=recorder.steps, logs=recorder.logs,
                   peak_memory=json.loads((Path(final).parent / "peak_memory.json").read_text()),
-                  imported={m: sys.modules.get(m) is not None for m in ("mlflow", "prefect", "torchvision", "deepspeed")})
+                  imported={m: sys.modules.get(m) is not None
+                            for m in ("mlflow", "prefect", "torchvision", "deepspeed")})
     Path(record).write_text(json.dumps(result, indent=1) + "\n")
 
 
