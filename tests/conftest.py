@@ -14,6 +14,10 @@ from filelock import FileLock
 from vlmexp.data.demo import Scenes
 
 REPO = Path(__file__).resolve().parents[1]
+# Two test processes share the 2-core machines CI runs on: a `vlmexp run` that a test starts gives Prefect's
+# temporary server two minutes to answer, not the 20 s a user's idle machine needs (a user who needs more sets
+# the same variable)
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
 # tests that train a few steps from it take one prompt (and 8 records) per step
 SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.per_device_train_batch_size=8",
@@ -88,6 +92,16 @@ def demo_data(tmp_path_factory) -> Path:
 
     return shared(tmp_path_factory, "demo/data",
                   lambda out: make_demo_data(out, train=24, val=8, seed=0, scenes=VARIED_SCENES))
+
+
+def as_a_terminal_job() -> None:
+    """Popen's preexec_fn for a command started as a terminal's shell starts a job: SIGHUP and SIGINT at their
+    defaults, whatever this test process inherited (`nohup` ignores SIGHUP, a background CI step SIGINT), so a
+    test that closes the terminal or presses Ctrl-C tests what a user's terminal does."""
+    import signal
+
+    for sig in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def write_json(path: Path, obj) -> Path:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import as_a_terminal_job
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A launcher like torchrun: it starts a worker in a new session, reports its pid, and waits on it.
@@ -54,7 +56,7 @@ def _start_driver(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
     """))
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_terminal_job)
     line = proc.stdout.readline()
     assert line.startswith("worker "), (line, proc.stderr.read() if proc.poll() is not None else "")
     worker = int(line.split()[1])
@@ -180,7 +182,7 @@ def test_a_second_ctrl_c_lets_the_stop_be_recorded_and_a_third_leaves_at_once(tm
     driver.write_text(CLOSING)
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            start_new_session=True, bufsize=1)
+                            start_new_session=True, preexec_fn=as_a_terminal_job, bufsize=1)
     try:
         assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.poll() is not None else ""
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group

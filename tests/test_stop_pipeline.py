@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL_BATCHES
+from tests.conftest import SMALL_BATCHES, as_a_terminal_job
 
 REPO = Path(__file__).resolve().parents[1]
 # SFT then GRPO, nothing after them: the stop comes in SFT, the resume runs the two stages to the end
@@ -56,7 +56,7 @@ class Run:
     def start(self, name: str) -> subprocess.Popen:
         self.log = self.tmp / f"{name}.log"
         return subprocess.Popen(self.cmd, cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                env=self.env, start_new_session=True)
+                                env=self.env, start_new_session=True, preexec_fn=as_a_terminal_job)
 
     def text(self) -> str:
         return self.log.read_text()

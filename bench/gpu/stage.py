@@ -1,5 +1,4 @@
-"""One training stage exactly as `vlmexp train sft|grpo` runs it in-process,
-plus a callback that records each step.
+"""One training stage as `vlmexp train` runs it in-process, with a callback that records each step.
 
     python bench/gpu/stage.py sft|dpo|grpo CONFIG RECORD.json [key=value ...] [--hide mlflow,prefect]
 
