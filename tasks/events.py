@@ -1,14 +1,12 @@
 """The Prefect events the pipeline emits, for automations to act on (`flows/automations.py`, and the
 `scheduled-retrain` deployment's trigger in prefect.yaml):
 
-| event | resource | emitted by |
-|---|---|---|
-| `vlmexp.pipeline.failed`, `vlmexp.pipeline.crashed` | `vlmexp.pipeline.<run.name>` | the vlm-pipeline flow's
-  on_failure / on_crashed hook |
-| `vlmexp.model.promoted` | `vlmexp.model.<registered name>` | the register-model task, when a version takes
-  the champion alias |
-| `vlmexp.data.changed` | `vlmexp.data.<run.name>` | the vlm-data-sensor flow, when the config's data sources
-  changed |
+- `vlmexp.pipeline.failed`, `vlmexp.pipeline.crashed`, about `vlmexp.pipeline.<run.name>`: the vlm-pipeline
+  flow's on_failure / on_crashed hook;
+- `vlmexp.model.promoted`, about `vlmexp.model.<registered name>`: the register-model task, when a version takes
+  the champion alias;
+- `vlmexp.data.changed`, about `vlmexp.data.<run.name>`: the vlm-data-sensor flow, when the config's data
+  sources changed.
 
 Each names the flow run it comes from as a related resource (`prefect.flow-run.<id>`), so the UI links them.
 The library never imports prefect: flows/ and tasks/ call these.
