@@ -3,8 +3,8 @@
 
 - `vlmexp.pipeline.failed`, `vlmexp.pipeline.crashed`, about `vlmexp.pipeline.<run.name>`: the vlm-pipeline
   flow's on_failure / on_crashed hook;
-- `vlmexp.model.promoted`, about `vlmexp.model.<registered name>`: the register-model task, when a version takes
-  the champion alias;
+- `vlmexp.model.promoted`, about `vlmexp.model.<registered name>`: the register-model task, when a version
+  takes the champion alias;
 - `vlmexp.data.changed`, about `vlmexp.data.<run.name>`: the vlm-data-sensor flow, when the config's data
   sources changed.
 
