@@ -27,31 +27,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# uvicorn, after asking for SIGTERM when its parent (`vlmexp run`, pid argv[1]) ends
-# (Linux's PR_SET_PDEATHSIG)
-_UVICORN_TIED_TO_PARENT = """
-import ctypes, os, runpy, signal, sys
-prctl = getattr(ctypes.CDLL(None), "prctl", None)
-if prctl is not None:
-    prctl(1, int(signal.SIGTERM))
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("the process that started Prefect's temporary server is gone")
-sys.argv = ["uvicorn", *sys.argv[2:]]
-runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
-"""
-
-
 def _start(port: int) -> subprocess.Popen:
     import prefect
     from prefect.settings import get_current_settings
 
+    from vlmexp.pipeline.processes import tied_to_this_process
+
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
            "PREFECT__SERVER_FINAL": "1",
            **get_current_settings().to_environment_variables(exclude_unset=True)}
+    # uvicorn gets SIGTERM when `vlmexp run` ends, however it ends (PR_SET_PDEATHSIG), as a stage does
     return subprocess.Popen(
-        [sys.executable, "-c", _UVICORN_TIED_TO_PARENT, str(os.getpid()), "--app-dir",
-         str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app", "--host",
-         "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"],
+        tied_to_this_process([sys.executable, "-m", "uvicorn", "--app-dir",
+                              str(prefect.__module_path__.parent), "--factory",
+                              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
+                              str(port), "--log-level", "error", "--lifespan", "on"]),
         env=env, start_new_session=True)
 
 
