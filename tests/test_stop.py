@@ -43,7 +43,7 @@ def _start_driver(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
     driver.write_text(textwrap.dedent(f"""
         import sys
         from vlmexp.cli import main
-        from vlmexp import cli
+        from vlmexp import commands
         from vlmexp.pipeline import processes
 
         def fake_run(args):  # what `vlmexp run` does around a stage: stream the launcher's output
@@ -51,7 +51,7 @@ def _start_driver(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
                                       """lambda line: print(line, flush=True))
             return 0
 
-        cli.cmd_validate = fake_run
+        commands.cmd_validate = fake_run
         sys.exit(main(["validate", "x.yaml"]))
     """))
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -156,7 +156,7 @@ def test_a_second_ctrl_c_kills_at_once_what_the_first_asked_to_stop(tmp_path):
 
 CLOSING = textwrap.dedent("""
     import sys, time
-    from vlmexp import cli
+    from vlmexp import cli, commands
     from vlmexp.pipeline import processes
 
     def fake_run(args):  # a stage, then what the pipeline does once it was stopped: close its runs (a while)
@@ -169,7 +169,7 @@ CLOSING = textwrap.dedent("""
             print("closed", flush=True)
             raise
 
-    cli.cmd_validate = fake_run
+    commands.cmd_validate = fake_run
     sys.exit(cli.main(["validate", "x.yaml"]))
 """)
 

@@ -1,315 +1,20 @@
 """The `vlmexp` command. Heavy libraries are imported inside each command, so `vlmexp --help` is instant.
 
-Bad input exits with status 2 and the list of problems on stderr.
+The parser, the dispatch and the process's exit; what each command does is in `vlmexp.commands`. Bad input
+exits with status 2 and the list of problems on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import NoReturn
 
+from vlmexp import commands
 from vlmexp.config.schema import TRAINING_STAGES
-from vlmexp.errors import Problem, VlmexpError
-from vlmexp.families import BUDGET_KNOBS, FAMILIES, get_family
+from vlmexp.errors import VlmexpError
+from vlmexp.families import FAMILIES
 from vlmexp.families.qwen import RELEASED_PIXELS
-
-
-def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> None:
-    """Refuse the command's own arguments before any work: (option, value, problem or None) each."""
-    problems = [Problem(f"vlmexp {command}", option, message, value) for option, value, message in checks
-                if message]
-    if problems:
-        raise VlmexpError(problems, title=f"invalid arguments to vlmexp {command}")
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    from vlmexp.config.loader import load_config
-
-    cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths, import_rewards=True)
-    print(f"{args.config}: ok (model {cfg.model.path}, output_dir {cfg.run.output_dir})")
-    return 0
-
-
-def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_dir
-    from vlmexp.tiny import make_tiny_model
-
-    check_arguments("make-tiny-model", ("DIR", args.dir, check_output_dir(args.dir)))
-    out = make_tiny_model(args.dir, args.family)
-    print(f"wrote tiny {args.family} model to {out}")
-    return 0
-
-
-def cmd_make_demo_data(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_dir
-    from vlmexp.data.demo import Annotator, Scenes, make_demo_data
-
-    counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
-              for k in ("train", "val")]
-    check_arguments("make-demo-data", ("DIR", args.dir, check_output_dir(args.dir)), *counts)
-    try:
-        scenes = Scenes(tuple(args.width), tuple(args.height), tuple(args.objects), args.background)
-    except ValueError as e:
-        raise VlmexpError([Problem("make-demo-data", "--width/--height/--objects",
-                                   f"{e}; give LOW HIGH with 0 < LOW <= HIGH, "
-                                   "images at least 64 pixels a side")]) from e
-    try:
-        annotator = Annotator(jitter=args.annotator_jitter, loose=args.annotator_loose)
-    except ValueError as e:
-        raise VlmexpError([Problem("make-demo-data", "--annotator-jitter/--annotator-loose",
-                                   f"{e}; 0 0 writes the exact boxes only")]) from e
-    out = make_demo_data(args.dir, train=args.train, val=args.val, seed=args.seed, scenes=scenes,
-                         annotator=annotator)
-    print(f"wrote {args.train} train and {args.val} val records to {out} (data YAMLs: train.yaml, val.yaml)")
-    return 0
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_file
-    from vlmexp.data.sampling import format_report, sample_sources
-    from vlmexp.data.sources import load_data_yaml
-
-    manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
-    check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
-    result = sample_sources(load_data_yaml(args.data_yaml), args.out, seed=args.seed, judged=args.judged)
-    print(format_report(result, explain=args.explain))
-    print(f"wrote {result.rows} records to {result.path} (manifest {result.manifest_path})")
-    return 0
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """The whole pipeline in this process: Prefect's temporary server, the configured MLflow store.
-
-    One of the two places the library's command line reaches up into flows/ (the library itself never
-    imports prefect): `vlmexp run` is a shortcut for calling the flow; `vlmexp prefect-setup` the other.
-    """
-    import os
-
-    if not os.environ.get("PREFECT_API_URL"):
-        # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
-        # fresh sqlite database, logs "database is locked" tracebacks into the demo's output.
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.pipeline import vlm_pipeline
-    from flows.temporary_server import temporary_server
-
-    # without a PREFECT_API_URL, a temporary server that a terminal's Ctrl-C does not reach: the flow can
-    # still record the stop, and its last logs and events are sent before the server stops
-    with temporary_server():
-        state = vlm_pipeline(config=args.config, overrides=args.overrides, force=args.force,
-                             return_state=True)
-    if state.is_cancelled():  # stopped by a signal: the flow closed its runs; exit as the signal says
-        raise KeyboardInterrupt(state.message)
-    print(state.result().summary)
-    return 0
-
-
-def cmd_prefect_setup(args: argparse.Namespace) -> int:
-    """Create or update vlmexp's automations on the Prefect server at PREFECT_API_URL
-    (flows/automations.py)."""
-    from flows.automations import set_up
-
-    try:
-        done = set_up(args.notify, args.heartbeat_seconds)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for name, what in done.items():
-        print(f"{what}: {name}")
-    if not args.notify:
-        print("no notifications: pass --notify TYPE/NAME (a notification block on the server) to add them")
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """Generate on the config's held-out records with CHECKPOINT and print the metrics as JSON."""
-    import json
-
-    from vlmexp.config.loader import load_config
-    from vlmexp.config.path_checks import check_checkpoint, check_output_dir
-    from vlmexp.data.run_data import prepare_data
-    from vlmexp.evaluate import check_sampled_records, evaluate
-
-    cfg = load_config(args.config, args.overrides, check_paths=True)
-    check_arguments("eval", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
-                    ("--out", args.out, args.out and check_output_dir(args.out)))
-    if args.records:
-        check_sampled_records(args.records)
-    records = args.records or prepare_data(cfg).val
-    if records is None:
-        raise VlmexpError([Problem(args.config, "data.val_datasets",
-                                   "no held-out records: set data.val_datasets, "
-                                   "data.val_data_yaml or data.val_fraction, or pass --records FILE.jsonl")])
-    out = args.out or str(Path(cfg.run.output_dir) / "eval" / Path(args.checkpoint).name)
-    result = evaluate(cfg, args.checkpoint, records, out)
-    print(json.dumps(result.metrics, indent=2))
-    return 0
-
-
-def cmd_score(args: argparse.Namespace) -> int:
-    """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
-    import json
-
-    from vlmexp.config.path_checks import check_output_file
-    from vlmexp.evaluate import score_predictions
-    from vlmexp.files import atomic_write
-
-    knobs = {k: getattr(args, k) for k in BUDGET_KNOBS if getattr(args, k) is not None}
-    root = args.image_root
-    check_arguments("score", *_budget_problems(get_family(args.family), knobs),
-                    ("--per-sample", args.per_sample, args.per_sample and check_output_file(args.per_sample)),
-                    ("--image-root", root,
-                     root and not Path(root).is_dir() and "no such folder; fix the path"))
-    check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
-    cfg = None
-    if args.config:
-        from vlmexp.config.loader import load_config
-
-        cfg = load_config(args.config, [])
-    metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root,
-                                      args.prefilled_think, args.math_grader, cfg)
-    if args.per_sample:
-        atomic_write(Path(args.per_sample), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(json.dumps(metrics, indent=2))
-    return 0
-
-
-def _budget_problems(family, knobs: dict[str, int]) -> list[tuple[str, object, str | None]]:
-    """`vlmexp score`'s image-budget options: positive, low <= high, and the family's own (others refused)."""
-    def option(knob: str) -> str:
-        return "--" + knob.replace("_", "-")
-
-    problems = [(option(k), v, "must be a positive number" if v <= 0 else None if k in family.budget_knobs
-                 else f"does not apply to {family.name} ({family.budget_summary}); use "
-                 f"{' / '.join(option(b) for b in family.budget_knobs)}") for k, v in knobs.items()]
-    for low, high in (("min_pixels", "max_pixels"), ("min_patches", "max_patches")):
-        if knobs.get(low, 0) > knobs.get(high, float("inf")):
-            problems.append((option(low), knobs[low], f"exceeds {option(high)} {knobs[high]}; swap them"))
-    return problems
-
-
-def _grader_problem(grader: str | None) -> str | None:
-    from vlmexp.answers import check_math_grader
-
-    try:
-        check_math_grader(grader or "math_verify")
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """Export CHECKPOINT (a model folder or LoRA adapter) as one folder that loads in plain transformers."""
-    import tempfile
-
-    from vlmexp.config.loader import dump_config, load_config
-    from vlmexp.config.path_checks import (
-        check_checkpoint,
-        check_output_dir,
-        check_replaceable_folder,
-        data_paths,
-    )
-    from vlmexp.export import export_model
-    from vlmexp.provenance import git_commit
-
-    cfg = load_config(args.config, args.overrides, check_paths=True)
-    out = Path(args.out or Path(cfg.run.output_dir) / "export").expanduser()
-    file = out.exists() and not out.is_dir() and f"{out} is a file, not a folder; choose another path"
-    check_arguments("export", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
-                    # replaced as a whole, from beside
-                    ("--out", str(out), file or check_output_dir(out.parent)
-                     or check_replaceable_folder(out, data_paths(cfg, args.checkpoint))))
-    with tempfile.TemporaryDirectory() as tmp:
-        resolved = dump_config(cfg, Path(tmp) / "config.resolved.yaml")
-        export_model(cfg, args.checkpoint, out, {"config": args.config, "overrides": args.overrides,
-                                                 "git_commit": git_commit()}, resolved_config=resolved)
-    print(f"exported {args.checkpoint} to {out}")
-    return 0
-
-
-def cmd_ui(args: argparse.Namespace) -> int:
-    """The MLflow UI for a run's store, bound to 127.0.0.1, in its low-memory form."""
-    import os
-
-    from vlmexp.config.loader import load_config
-    from vlmexp.tracking.tracker import store_uri, ui_address
-
-    cfg = load_config(args.config, [], check_paths=False, check_trl=False) if args.config else None
-    uri = store_uri(cfg) if cfg else args.store
-    experiment = (cfg.tracking.experiment_name or cfg.run.name) if cfg else ""
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-               "--port", str(args.port), "--workers", "1"]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # 2 processes, ~0.5 GB instead of ~9
-    print(f"MLflow UI for {uri} on {ui_address(args.host, args.port, uri, experiment)}", flush=True)
-    os.execve(sys.executable, command, env)
-    return 0
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """One training stage: through the configured launcher, or in this process (what the launcher starts)."""
-    import logging
-    import shlex
-    import subprocess
-
-    from vlmexp.config.loader import load_config
-    from vlmexp.config.path_checks import check_checkpoint
-    from vlmexp.launch import is_launched_process, stage_command
-
-    from vlmexp.pipeline.keys import RESOLVED_NAME
-
-    # a dry run works from any machine: no paths probed, no reward module imported. A run's resolved config
-    # (what the pipeline starts each rank of a stage with) had its TRL args and reward modules checked when it
-    # was written: here the stage builds its one TRL config and imports its rewards itself; paths are probed
-    # once in every process, since a node's disks are its own
-    validated = Path(args.config).name == RESOLVED_NAME and not args.overrides
-    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run, check_trl=not validated,
-                      import_rewards=not (args.dry_run or validated))
-    if args.model and not args.dry_run:
-        check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
-    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
-                            run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id)
-    if args.dry_run:
-        print(shlex.join(command))
-        return 0
-    if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
-        print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)
-        from vlmexp.pipeline.processes import stop_process_tree
-
-        launcher = subprocess.Popen(command)
-        try:
-            return launcher.wait()
-        except KeyboardInterrupt:  # a stop: the launcher and its workers (in sessions of their own) stop too
-            stop_process_tree(launcher)
-            raise
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.stage == "sft":
-        from vlmexp.train.sft import run_sft
-
-        final = run_sft(cfg, mlflow_run_id=args.mlflow_run_id)
-    elif args.stage == "dpo":
-        from vlmexp.train.dpo import run_dpo
-
-        final = run_dpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
-    else:
-        from vlmexp.train.grpo import run_grpo
-
-        final = run_grpo(cfg, args.model, mlflow_run_id=args.mlflow_run_id)
-    print(f"{args.stage}: final model in {final}")
-    return 0
-
-
-def cmd_config_reference(args: argparse.Namespace) -> int:
-    from vlmexp.config.reference import REFERENCE_HEADER, render_reference
-
-    if args.write is None:
-        print(render_reference(), end="")
-        return 0
-    from vlmexp.files import atomic_write
-
-    atomic_write(Path(args.write), REFERENCE_HEADER + render_reference())
-    print(f"wrote the config reference to {args.write}")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,12 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.args.learning_rate=1e-6")
     p.add_argument("--no-check-paths", action="store_true",
                    help="skip the path checks (the rest is still checked)")
-    p.set_defaults(func=cmd_validate)
+    p.set_defaults(func=commands.cmd_validate)
 
     p = sub.add_parser("make-tiny-model", help="write a tiny random-weight model of a family (offline)")
     p.add_argument("dir")
     p.add_argument("--family", choices=list(FAMILIES), default="qwen2_5_vl")
-    p.set_defaults(func=cmd_make_tiny_model)
+    p.set_defaults(func=commands.cmd_make_tiny_model)
 
     p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
     p.add_argument("dir")
@@ -350,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "side beyond each edge; 0 with --annotator-jitter 0 writes no demonstration")
     p.add_argument("--annotator-jitter", type=float, default=demo.annotator_jitter, metavar="SHARE",
                    help="and move each edge by a uniform draw of up to this share of the side")
-    p.set_defaults(func=cmd_make_demo_data)
+    p.set_defaults(func=commands.cmd_make_demo_data)
 
     p = sub.add_parser("sample", help="sample a VLM-R1 data YAML into one JSONL file plus a manifest")
     p.add_argument("data_yaml")
@@ -362,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judged", action="store_true",
                    help="keep records of accu_reward_method llm: the config that trains on them "
                         "has a judge reward")
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=commands.cmd_sample)
 
     p = sub.add_parser("run", help="run the whole pipeline (Prefect flow) for a config, in this process")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--force", action="store_true", help="retrain even when config and data are unchanged")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=commands.cmd_run)
 
     p = sub.add_parser("prefect-setup", help="create or update vlmexp's automations on the Prefect server at "
                                              "PREFECT_API_URL: zombie-run detection, "
@@ -377,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. slack-webhook/ops) to tell of failed or lost pipeline runs and of a new champion")
     p.add_argument("--heartbeat-seconds", type=int, default=None, help="the workers' "
                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY, if not this process's (default 180)")
-    p.set_defaults(func=cmd_prefect_setup)
+    p.set_defaults(func=commands.cmd_prefect_setup)
 
     p = sub.add_parser("eval", help="evaluate a model folder (or LoRA adapter) on the held-out records")
     p.add_argument("checkpoint")
@@ -386,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for metrics.json, samples.jsonl and pictures/ "
                    "(the first eval.pictures records with their boxes)")
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=commands.cmd_eval)
 
     p = sub.add_parser("score",
                        help="score a predictions JSONL (data records + `completion`) from any system")
@@ -414,21 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Qwen3-VL Thinking)")
     p.add_argument("--config",
                    help="score with this config's grpo.rewards (a judge, a reward model) and its prompts")
-    p.set_defaults(func=cmd_score)
+    p.set_defaults(func=commands.cmd_score)
 
     p = sub.add_parser("export", help="merge a LoRA adapter (if any) and write a self-contained model folder")
     p.add_argument("checkpoint", help="a model folder or LoRA adapter folder (e.g. outputs/demo/grpo/final)")
     p.add_argument("--config", required=True)
     p.add_argument("--out", help="output folder (default: <run.output_dir>/export)")
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=commands.cmd_export)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 for a config's tracking store")
     p.add_argument("--config", help="the config whose store to show (default store: --store)")
     p.add_argument("--store", default="sqlite:///outputs/demo/mlflow.db")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
-    p.set_defaults(func=cmd_ui)
+    p.set_defaults(func=commands.cmd_ui)
 
     p = sub.add_parser("train", help="run one training stage (sft, dpo or grpo) in this process")
     p.add_argument("stage", choices=TRAINING_STAGES)
@@ -440,12 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store "
                                            "(the pipeline passes its stage run); default: a new run")
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=commands.cmd_train)
 
     p = sub.add_parser("config-reference", help="print the config reference (markdown)")
     p.add_argument("--write", metavar="FILE", default=None, help="write it, with its title, to FILE instead "
                    "(docs/config-reference.md)")
-    p.set_defaults(func=cmd_config_reference)
+    p.set_defaults(func=commands.cmd_config_reference)
     return parser
 
 
