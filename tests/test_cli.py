@@ -83,6 +83,10 @@ def test_run_with_val_fraction(tmp_path, demo_data):
     train = (tmp_path / "o/data/train.jsonl").read_text().splitlines()
     val = (tmp_path / "o/data/val.jsonl").read_text().splitlines()
     assert (len(train), len(val)) == (18, 6) and not set(train) & set(val)
+    # each stage is started with the run's resolved config, which the pipeline checked when it wrote it
+    resolved = tmp_path / "o" / "config.resolved.yaml"
+    for stage in ("sft", "grpo"):
+        assert f"train {stage} --config {resolved} --in-process --checked" in r.stdout + r.stderr
     assert json.loads((tmp_path / "o/data/val.manifest.json").read_text())["rows"] == 6
 
 
@@ -123,34 +127,70 @@ for cls in (trl.SFTConfig, trl.DPOConfig, trl.GRPOConfig):
         built[_name] = built.get(_name, 0) + 1
         _init(self, *args, **kwargs)
     cls.__init__ = counted
-rc = main(["train", "sft", "--config", sys.argv[1], "--in-process"])
+rc = main(["train", "sft", "--config", sys.argv[1], "--in-process", *sys.argv[2:]])
 print(json.dumps(built))
 sys.exit(rc)
 """
 
 
-@pytest.mark.slow  # one SFT step in a subprocess
-def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_path):
-    """The pipeline starts every rank of a stage with the run's resolved config, whose TRL args it checked
-    when it wrote it: the stage process builds its own TRL config once and no other; a resolved config edited
-    by hand is still refused before the model loads, naming the field and the fix."""
+def _resolved_demo(out: Path) -> Path:
+    """A run's resolved config (`<out>/config.resolved.yaml`) for one SFT step, written as the pipeline
+    writes it."""
     from vlmexp.pipeline.keys import commit_resolved, resolve_config
 
-    out = tmp_path / "o"
     _, pending = resolve_config(str(REPO / "configs/demo.yaml"), [
         f"run.output_dir={out}", "data.demo.train=4", "data.demo.val=2", "tracking.backend=none",
         "sft.args.max_steps=1", "grpo.enabled=false", "eval.enabled=false", "eval.every_steps=0"])
-    resolved = commit_resolved(pending)
-    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(resolved)], capture_output=True,
-                       text=True, cwd=tmp_path)
+    return commit_resolved(pending)
+
+
+def _trl_configs_built(tmp_path: Path, config: Path, *flags: str) -> dict[str, int]:
+    """`vlmexp train sft --config CONFIG --in-process FLAGS` in a fresh process: TRL config classes built."""
+    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(config), *flags], capture_output=True,
+                       text=True, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"SFTConfig": 1}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # one SFT step in a subprocess
+def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_path):
+    """The pipeline starts every rank of a stage with the run's resolved config and --checked, since it
+    checked the TRL args when it wrote it: the stage process builds its own TRL config once and no other; a
+    resolved config edited by hand is still refused before the model loads, naming the field and the fix."""
+    out = tmp_path / "o"
+    resolved = _resolved_demo(out)
+    assert _trl_configs_built(tmp_path, resolved, "--checked") == {"SFTConfig": 1}
     assert (out / "sft" / "final").is_dir()
 
     edited = resolved.read_text().replace("max_steps: 1", "max_steps: 1\n    learnin_rate: 0.001")
     assert edited != resolved.read_text()
     resolved.write_text(edited)
-    r = vlmexp("train", "sft", "--config", resolved, "--in-process", cwd=tmp_path)
+    r = vlmexp("train", "sft", "--config", resolved, "--in-process", "--checked", cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "sft.args.learnin_rate = 0.001" in r.stderr and "did you mean 'learning_rate'?" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # one SFT step in a subprocess
+def test_a_config_named_resolved_without_checked_gets_the_full_check(tmp_path):
+    """The file's name proves nothing: without --checked a config.resolved.yaml is checked as any config is,
+    every stage's TRL config class built at load, then the stage's own once more."""
+    out = tmp_path / "o"
+    resolved = _resolved_demo(out)
+    assert resolved.name == "config.resolved.yaml"
+    built = _trl_configs_built(tmp_path, resolved)
+    assert built == {"SFTConfig": 2, "DPOConfig": 1, "GRPOConfig": 1}
+    assert (out / "sft" / "final").is_dir()
+
+
+def test_checked_with_overrides_is_refused_before_anything_is_read(tmp_path):
+    """A checked config changed by overrides would train on args nobody checked: exit 2, saying why and the
+    fix, with nothing written."""
+    r = vlmexp("train", "sft", "--config", tmp_path / "config.resolved.yaml", "--checked",
+               "sft.args.max_steps=1", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert ("invalid arguments to vlmexp train sft" in r.stderr
+            and "--checked = ['sft.args.max_steps=1']" in r.stderr
+            and "overrides would change it unchecked: drop the overrides, or drop --checked" in r.stderr)
+    assert "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -34,6 +34,8 @@ def dry_run(stage, *overrides):
 @pytest.mark.slow  # runs the command line in subprocesses
 def test_dry_run_prints_the_exact_command_for_each_launcher():
     assert dry_run("sft") == f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process"
+    assert dry_run("sft", "--checked") == (
+        f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process --checked")
     assert dry_run("grpo", "launch.launcher=torchrun", "launch.nproc_per_node=8") == (
         f"{BIN}/torchrun --nproc_per_node=8 --nnodes=1 --standalone -m vlmexp.cli train grpo --config {DEMO} "
         "--in-process launch.launcher=torchrun launch.nproc_per_node=8")
@@ -78,6 +80,20 @@ def test_shipped_accelerate_and_deepspeed_configs_load():
     for name in ("zero2", "zero3", "zero3_offload"):
         ds = json.loads((REPO / f"configs/deepspeed/{name}.json").read_text())
         assert ds["zero_optimization"]["stage"] == (2 if name == "zero2" else 3)
+
+
+def test_every_launched_process_of_a_checked_config_gets_checked():
+    """`vlmexp train --checked` (how the pipeline starts a stage on its resolved config): each process the
+    launcher starts is told so too; without it, none is."""
+    from vlmexp.config.schema import LaunchConfig
+    from vlmexp.launch import stage_command
+
+    for launch in (LaunchConfig(), LaunchConfig(launcher="torchrun", nproc_per_node=2),
+                   LaunchConfig(launcher="deepspeed", nproc_per_node=2)):
+        config, model = "o/config.resolved.yaml", "o/sft/final"
+        checked = " ".join(stage_command(launch, "grpo", config, model, checked=True))
+        assert f"train grpo --config {config} --in-process --checked --model {model}" in checked
+        assert "--checked" not in stage_command(launch, "grpo", config, model)
 
 
 TRAIN = ["tracking.backend=none", "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES]

@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the launch command and exit")
     p.add_argument("--in-process", action="store_true",
                    help="train in this process, ignoring launch.launcher (each launched process gets it)")
+    p.add_argument("--checked", action="store_true",
+                   help="the config was written and checked by the pipeline (a run's config.resolved.yaml): "
+                        "skip building TRL's three config classes and importing the reward modules at load; "
+                        "the stage still builds its own TRL config before the model loads. No overrides")
     p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store "
                                            "(the pipeline passes its stage run); default: a new run")
     p.add_argument("overrides", nargs="*")

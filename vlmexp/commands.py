@@ -255,19 +255,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vlmexp.config.path_checks import check_checkpoint
     from vlmexp.launch import is_launched_process, stage_command
 
-    from vlmexp.pipeline.keys import RESOLVED_NAME
-
-    # a dry run works from any machine: no paths probed, no reward module imported. A run's resolved config
-    # (what the pipeline starts each rank of a stage with) had its TRL args and reward modules checked when it
-    # was written: here the stage builds its one TRL config and imports its rewards itself; paths are probed
-    # once in every process, since a node's disks are its own
-    validated = Path(args.config).name == RESOLVED_NAME and not args.overrides
-    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run, check_trl=not validated,
-                      import_rewards=not (args.dry_run or validated))
+    overridden = args.checked and args.overrides and (
+        "the config was checked when the pipeline wrote it, and overrides would change it unchecked: drop "
+        "the overrides, or drop --checked to check the config with them")
+    check_arguments(f"train {args.stage}", ("--checked", args.overrides, overridden))
+    # a dry run works from any machine: no paths probed, no reward module imported. A --checked config (a
+    # run's resolved config, what the pipeline starts each rank of a stage with) had its TRL args and reward
+    # modules checked when it was written: here the stage builds its one TRL config and imports its rewards
+    # itself; paths are probed once in every process, since a node's disks are its own
+    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run, check_trl=not args.checked,
+                      import_rewards=not (args.dry_run or args.checked))
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
     command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
-                            run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id)
+                            run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id, checked=args.checked)
     if args.dry_run:
         print(shlex.join(command))
         return 0

@@ -3,8 +3,9 @@
 `local` runs one process; `torchrun` and `accelerate` start `nproc_per_node` processes on each of `nnodes`
 machines (run the same command on every node with its own `launch.node_rank`); `deepspeed` reads a
 hostfile and starts every node from node 0 over ssh (pdsh). Whatever the launcher, each process runs
-`python -m vlmexp.cli train STAGE --config C --in-process`, and the DeepSpeed JSON reaches the Trainer
-through `TrainingArguments.deepspeed` (so the same file works with every launcher).
+`python -m vlmexp.cli train STAGE --config C --in-process` (with `--checked` when C is a run's resolved
+config, as the pipeline starts a stage), and the DeepSpeed JSON reaches the Trainer through
+`TrainingArguments.deepspeed` (so the same file works with every launcher).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def _tool(name: str) -> str:
 
 def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: str | None = None,
                   overrides: Sequence[str] = (), run_id: str = "vlmexp",
-                  mlflow_run_id: str | None = None) -> list[str]:
+                  mlflow_run_id: str | None = None, checked: bool = False) -> list[str]:
     """The argv that runs `stage` with `config` under `launch` (`run_id` names the rendezvous; `mlflow_run_id`
-    is the MLflow run the stage logs into, else it starts its own in the config's store)."""
+    is the MLflow run the stage logs into, else it starts its own in the config's store; `checked`: the config
+    is one the pipeline wrote and checked, a run's resolved config)."""
     inner = ["vlmexp.cli", "train", stage, "--config", str(config), "--in-process",
+             *(["--checked"] if checked else []),
              *(["--model", str(model)] if model else []),
              *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else []), *overrides]
     n, nodes = launch.nproc_per_node, launch.nnodes

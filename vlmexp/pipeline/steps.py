@@ -46,7 +46,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
         run_file.write_text(run_id + "\n")
         tracker.log_datasets(run_id, {k: v for k, v in sampled_manifests(cfg).items() if k == "training"})
     command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}",
-                            mlflow_run_id=run_id or None)
+                            mlflow_run_id=run_id or None, checked=True)
     on_line("running " + " ".join(command))
     start = time.monotonic()
     try:
