@@ -3,9 +3,14 @@ the processes of a parallel run; a skipped test fails the run unless the machine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 # temporary server two minutes to answer, not the 20 s a user's idle machine needs (a user who needs more sets
 # the same variable)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Prefect keeps its database and settings in PREFECT_HOME (~/.prefect): a test process and everything it
+# starts use a folder of their own, never the user's. A test that starts a Prefect server takes `prefect_home`.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="vlmexp-tests-prefect-home-")
 # configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
 # tests that train a few steps from it take one prompt (and 8 records) per step
 SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.per_device_train_batch_size=8",
@@ -92,6 +100,55 @@ def demo_data(tmp_path_factory) -> Path:
 
     return shared(tmp_path_factory, "demo/data",
                   lambda out: make_demo_data(out, train=24, val=8, seed=0, scenes=VARIED_SCENES))
+
+
+def _create_prefect_database(home: Path) -> None:
+    """Prefect's database in `home`, created as a user's first `vlmexp run` creates it: its temporary server's
+    first start, which runs every one of Prefect's migrations (half a minute on an idle 2-core machine)."""
+    home.mkdir(parents=True)
+    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    subprocess.run([sys.executable, "-c", "from flows.temporary_server import temporary_server\n"
+                    "with temporary_server(): pass"], cwd=REPO, env=env, check=True, timeout=600)
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:  # all of it in the one file
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+@pytest.fixture(scope="session")
+def prefect_database(tmp_path_factory) -> Path:
+    """A Prefect home whose database was created once per test run (every test reads a copy)."""
+    return shared(tmp_path_factory, "prefect-home", _create_prefect_database)
+
+
+@pytest.fixture
+def prefect_home(prefect_database, tmp_path, monkeypatch) -> Path:
+    """PREFECT_HOME for this test (inherited by what it starts): a copy of a created database, as on a machine
+    that ran Prefect before, so a server starts in seconds instead of running Prefect's migrations again
+    (tests/test_cli.py's first `vlmexp run` on a new machine runs them)."""
+    home = tmp_path / "prefect-home"
+    shutil.copytree(prefect_database, home)
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    return home
+
+
+@contextlib.contextmanager
+def prefect_api(database: Path) -> Iterator[None]:
+    """This process's flows against a server of their own (the pipeline's temporary server, as `vlmexp run`
+    starts it) on a copy of the created database: Prefect's test harness, without its migrations."""
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    from flows.temporary_server import temporary_server
+
+    folder = Path(tempfile.mkdtemp(prefix="prefect-api-"))
+    shutil.copy(database / "prefect.db", folder / "prefect.db")
+    try:
+        with temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL:
+                                 f"sqlite+aiosqlite:///{folder / 'prefect.db'}"}), temporary_server():
+            yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def as_a_terminal_job() -> None:

@@ -51,10 +51,10 @@ class Server:
     """A running server: `env` points the CLI and clients at it; `cli` runs `prefect ...` in the repository;
     `worker` starts a worker on a pool (stopped with the server)."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, home: Path):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/api"
-        self.env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": self.url,
+        self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.url,
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
         self.logs = tmp_path / "logs"
@@ -85,8 +85,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def prefect_server(tmp_path: Path) -> Iterator[Server]:
-    server = Server(tmp_path)
+def prefect_server(tmp_path: Path, home: Path) -> Iterator[Server]:
+    """A server in `tmp_path` on the database in `home` (PREFECT_HOME: conftest's `prefect_home`, a copy of a
+    created database)."""
+    server = Server(tmp_path, home)
     try:
         yield server
     finally:

@@ -13,9 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def vlmexp(*args, cwd=REPO):
+def vlmexp(*args, cwd=REPO, env=None):
     return subprocess.run([sys.executable, "-m", "vlmexp.cli", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd)
+                          text=True, cwd=cwd, env=env)
 
 
 def test_help_does_not_import_heavy_libraries():
@@ -58,10 +58,20 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
 
 @pytest.mark.slow  # runs the command line in subprocesses
 def test_run_demo_builds_model_and_samples(tmp_path):
+    """The first `vlmexp run` on a new machine: Prefect's database does not exist yet and its start-up timeout
+    is Prefect's default (20 s); the temporary server's first start runs Prefect's migrations, which take
+    longer than that on a 2-core machine, and the run waits for them, saying why."""
+    import os
+
     out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL",
+                                                            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
-               "data.demo.val=4", "sft.enabled=false", "grpo.enabled=false", cwd=tmp_path)
+               "data.demo.val=4", "sft.enabled=false", "grpo.enabled=false", cwd=tmp_path,
+               env={**env, "PREFECT_HOME": str(tmp_path / ".prefect")})
     assert r.returncode == 0, r.stderr
+    database = tmp_path / ".prefect" / "prefect.db"
+    assert f"Creating Prefect's database {database}" in r.stdout + r.stderr and database.stat().st_size > 0
     train = (out / "data" / "train.jsonl").read_text().splitlines()
     val = (out / "data" / "val.jsonl").read_text().splitlines()
     assert len(train) == 12 and len(val) == 4
@@ -72,7 +82,7 @@ def test_run_demo_builds_model_and_samples(tmp_path):
 
 
 @pytest.mark.slow  # runs the command line in subprocesses
-def test_run_with_val_fraction(tmp_path, demo_data):
+def test_run_with_val_fraction(tmp_path, demo_data, prefect_home):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"run: {{output_dir: {tmp_path / 'o'}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"
                    f"data:\n  data_yaml: {demo_data / 'train.yaml'}\n  val_fraction: 0.25\n")
@@ -90,7 +100,7 @@ def test_run_with_val_fraction(tmp_path, demo_data):
     assert json.loads((tmp_path / "o/data/val.manifest.json").read_text())["rows"] == 6
 
 
-def test_run_bad_config_exits_2_before_writing(tmp_path):
+def test_run_bad_config_exits_2_before_writing(tmp_path, prefect_home):
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={tmp_path / 'o'}", "grpo.args.beta=-x",
                cwd=tmp_path)
     assert r.returncode == 2 and "grpo.args.beta" in r.stderr

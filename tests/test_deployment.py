@@ -11,8 +11,8 @@ from prefect_server import create_pools_and_deploy, prefect_server
 pytestmark = pytest.mark.slow
 
 
-def test_deployments_run_from_a_worker_and_the_schedule_creates_runs(tmp_path):
-    with prefect_server(tmp_path) as server:
+def test_deployments_run_from_a_worker_and_the_schedule_creates_runs(tmp_path, prefect_home):
+    with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)  # the Kubernetes pool is created from the repository's template
         env = server.env
         server.worker("cpu")

@@ -72,7 +72,7 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
         assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
 
 
-def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
+def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefect_home):
     """SIGKILL the whole `vlmexp run` process group (flow, temporary server, training) during GRPO; the same
     command then finishes: SFT comes from the cache, GRPO resumes from its checkpoint."""
     import time
@@ -80,8 +80,8 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path):
     import psutil
 
     out = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO / "tests"),
-           "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "storage")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"),
+           "PREFECT_LOCAL_STORAGE_PATH": str(prefect_home / "storage")}
     command = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml", f"run.output_dir={out}",
                "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=4",
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",

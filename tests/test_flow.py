@@ -1,4 +1,5 @@
-"""The vlm-pipeline flow end to end on the tiny model, under prefect_test_harness, read back from MLflow."""
+"""The vlm-pipeline flow end to end on the tiny model, against a Prefect server of its own, read back from
+MLflow."""
 
 from __future__ import annotations
 
@@ -23,18 +24,18 @@ SMALL = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=4", "sft.a
 
 
 @pytest.fixture(scope="module")
-def prefect(tmp_path_factory):
+def prefect(tmp_path_factory, prefect_database):
+    from conftest import prefect_api
     from prefect.settings import (
         PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
         PREFECT_LOCAL_STORAGE_PATH,
         temporary_settings,
     )
-    from prefect.testing.utilities import prefect_test_harness
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(REPO / "tests"))
     storage = tmp_path_factory.mktemp("prefect-results")
-    with prefect_test_harness(server_startup_timeout=60), temporary_settings(
+    with prefect_api(prefect_database), temporary_settings(
             {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_LOCAL_STORAGE_PATH: storage}):
         yield
 

@@ -363,7 +363,7 @@ def test_long_values_are_cut(world, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
+def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path, prefect_home):
     """`vlmexp run`: the flow's tasks fail on bad data; Prefect's log shows the problems, not a traceback."""
     import subprocess
 
@@ -371,8 +371,7 @@ def test_pipeline_stopped_by_bad_input_logs_no_traceback(world, tmp_path):
                      raw=json.dumps(GOOD) + "\n" + json.dumps(GOOD).replace("[2, 2", "[NaN, 2") + "\n")
     config = _config(world, tmp_path, source)
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "run", str(config), "pipeline.retries=0"],
-                       capture_output=True, text=True, cwd=tmp_path, check=False,
-                       env={**os.environ, "PREFECT_HOME": str(tmp_path / "p")})
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
     output = r.stdout + r.stderr
     assert r.returncode == 2, output
     assert "d.jsonl:2" in output and "not a finite number" in output and "Traceback" not in output, output

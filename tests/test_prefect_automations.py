@@ -6,6 +6,7 @@ block pointing at this test; the data sensor's event starts a scheduled-retrain 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -45,7 +46,7 @@ def _wait(what, seconds: float = 90):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, prefect_database):
     """A Prefect server with prefect.yaml deployed (scheduled-retrain with its data trigger, the sensor) and a
     webhook notification block `custom-webhook/hook` that posts to this test (RECEIVED)."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
@@ -53,7 +54,9 @@ def server(tmp_path_factory):
 
     hook = HTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
-    with prefect_server(tmp_path_factory.mktemp("prefect")) as server, \
+    home = tmp_path_factory.mktemp("prefect") / "prefect-home"
+    shutil.copytree(prefect_database, home)
+    with prefect_server(home.parent, home) as server, \
             temporary_settings({PREFECT_API_URL: server.url}):
         create_pools_and_deploy(server)
         CustomWebhookNotificationBlock(name="test", url=f"http://127.0.0.1:{hook.server_port}/hook",

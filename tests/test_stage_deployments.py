@@ -62,7 +62,7 @@ def _flow_runs(url: str) -> tuple[list, dict[str, str]]:
     return [(flows[r.flow_id], r, parents.get(str(r.id))) for r in runs], logs
 
 
-def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path):
+def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path, prefect_home):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
@@ -72,7 +72,7 @@ def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path):
         f"grpo.args.save_steps={SAVE_STEPS}",
         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
         "grpo.args.max_completion_length=8", "eval.max_new_tokens=8", *SMALL_BATCHES]}
-    with prefect_server(tmp_path) as server:
+    with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)
         server.worker("cpu")
         gpu = server.worker("gpu")

@@ -223,7 +223,7 @@ def test_an_interrupted_stage_is_not_retried_and_a_failed_one_is():
 
 
 @pytest.mark.slow
-def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
+def test_the_temporary_server_goes_with_a_killed_run(tmp_path, prefect_home):
     """`vlmexp run` starts Prefect's temporary server out of its process group (a terminal's Ctrl-C must not
     end it); SIGKILL of the run, which no handler sees, still ends the server."""
     import psutil
@@ -239,7 +239,7 @@ def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
             sys.stdin.readline()
             os.kill(os.getpid(), signal.SIGKILL)
     """))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen([sys.executable, str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=env)
@@ -257,11 +257,11 @@ def test_the_temporary_server_goes_with_a_killed_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
+def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere(prefect_database):
     """A stage run on another work pool is a subflow of the pipeline's task; Prefect leaves it running when
     the pipeline stops, so the pipeline asks it to cancel (its worker then stops the stage's processes)."""
+    from conftest import prefect_api
     from prefect import flow, get_client, task
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import vlm_pipeline
     from flows.stopping import cancel_child_runs, on_stopped
@@ -283,7 +283,7 @@ def test_a_stopped_pipeline_cancels_the_stage_runs_it_started_elsewhere():
     def train():
         pass
 
-    with prefect_test_harness(server_startup_timeout=60), get_client(sync_client=True) as client:
+    with prefect_api(prefect_database), get_client(sync_client=True) as client:
         parent_run = client.create_flow_run(parent)
         task_run = client.create_task_run(train, flow_run_id=parent_run.id, dynamic_key="0")
         running = client.create_flow_run(child, parent_task_run_id=task_run.id)

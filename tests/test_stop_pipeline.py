@@ -49,8 +49,7 @@ class Run:
         self.out, self.tmp = tmp_path / "out", tmp_path
         self.cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml",
                     f"run.output_dir={self.out}", *SMALL_RUN, *LAUNCHERS[launcher]]
-        self.env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
-                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+        self.env = {**os.environ}  # PREFECT_HOME: the test's `prefect_home`
         self.env.pop("PREFECT_API_URL", None)
 
     def start(self, name: str) -> subprocess.Popen:
@@ -159,8 +158,8 @@ NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIG
 @pytest.mark.parametrize("launcher, sig, to_group, resumed", STOPS,
                          ids=[f"{launcher}-{sig.name}-to-the-{'group' if group else 'main-process'}"
                               for launcher, sig, group, _ in STOPS])
-def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, launcher, sig, to_group,
-                                                                   resumed):
+def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, prefect_home, launcher, sig,
+                                                                   to_group, resumed):
     """One signal: the run exits with 128 + the signal within 30 s, nothing of it left running (torchrun's
     workers in their own sessions included), SFT started once and never retried, its MLflow runs KILLED, its
     flow run Cancelled; the same command again resumes SFT from its checkpoint and finishes (checked once,
@@ -192,7 +191,7 @@ def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, lau
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "local"])
-def test_a_second_signal_while_stopping_ends_the_run_at_once(tmp_path, launcher):
+def test_a_second_signal_while_stopping_ends_the_run_at_once(tmp_path, prefect_home, launcher):
     """Ctrl-C twice in a terminal: the second, while the stage is still stopping, kills every process of the
     run at once; the run exits 130 within seconds, leaves nothing running, and is recorded as stopped."""
     run = Run(tmp_path, launcher)
