@@ -1,8 +1,10 @@
-"""Stages on their own work pools, for real: a Prefect server, process pools `cpu` (the flow) and `gpu` (the
-stages) with a worker each, the deployments from prefect.yaml, and `prefect deployment run
-'vlm-pipeline/manual'` with `pipeline.stage_deployments` set. The GRPO stage run's processes (its flow run
-and the training process under it) are SIGKILLed after its first checkpoint, as a preempted node would be;
-the train task's retry starts the stage deployment again, which resumes from that checkpoint."""
+"""The deployments and stages on their own work pools, for real: a Prefect server, process pools `cpu` (the
+flow) and `gpu` (the stages) with a worker each, the deployments from prefect.yaml (`prefect deploy --all`:
+the Kubernetes pool from the repository's template, the scheduled retraining's schedule), and `prefect
+deployment run 'vlm-pipeline/manual' --watch` with `pipeline.stage_deployments` set. The GRPO stage run's
+processes (its flow run and the training process under it) are SIGKILLed after its first checkpoint, as a
+preempted node would be; the train task's retry starts the stage deployment again, which resumes from that
+checkpoint."""
 
 from __future__ import annotations
 
@@ -62,7 +64,24 @@ def _flow_runs(url: str) -> tuple[list, dict[str, str]]:
     return [(flows[r.flow_id], r, parents.get(str(r.id))) for r in runs], logs
 
 
-def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path, prefect_home):
+def _scheduled_retrain_runs(url: str) -> list:
+    """The runs the scheduler service created for `scheduled-retrain` (shortly after the deploy)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        for _ in range(60):
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(), deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=["scheduled-retrain"])))
+            if runs:
+                return runs
+            time.sleep(1)
+    return []
+
+
+def test_deployments_run_on_their_pools_the_schedule_creates_runs_and_a_killed_stage_resumes(tmp_path,
+                                                                                          prefect_home):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
@@ -84,6 +103,9 @@ def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path, prefect
         assert watch.wait(1600) == 0 and "Completed" in (tmp_path / "watch.log").read_text(), \
             (tmp_path / "watch.log").read_text()[-3000:]
         runs, logs = _flow_runs(server.url)
+        scheduled = _scheduled_retrain_runs(server.url)
+    assert scheduled and all(r.state.name == "Scheduled" for r in scheduled)
+    assert all(r.expected_start_time.weekday() == 0 for r in scheduled)  # "0 3 * * 1": Mondays
     assert any("vlmexp.cli train grpo" in c for c in killed), killed  # the stage run and its training process
 
     pipeline = [r for name, r, _ in runs if name == "vlm-pipeline" and r.state.name == "Completed"]
@@ -101,7 +123,8 @@ def test_stages_run_on_the_gpu_pool_and_a_killed_stage_resumes(tmp_path, prefect
     assert f"(resume: {out / 'grpo' / f'checkpoint-{SAVE_STEPS}'})" in logs[str(retried.id)]
 
     assert ((out / "grpo" / "final" / "model.safetensors").is_file()
-            and (out / "export" / "manifest.json").is_file())
+            and (out / "export" / "manifest.json").is_file()
+            and (out / "export" / "model.safetensors").is_file())
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     run_id = (out / "grpo" / "mlflow_run_id").read_text().strip()
     for key in ("loss", "reward"):
