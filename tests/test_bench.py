@@ -136,15 +136,26 @@ def test_gpu_harness_dry_run_plans_every_case(tmp_path):
                                                                    "grpo-mixed-sizes-lora64", "demo"}
 
 
+@pytest.fixture(scope="module")
+def tiny_harness(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One harness run at the tiny shape on CPU over the stage cases, then the speed cases (one model build,
+    one matmul peak, one results.json): (the finished process, its OUT_DIR). The budget is the timeout's,
+    so no case is skipped on a loaded machine."""
+    tmp = tmp_path_factory.mktemp("gpu-harness-tiny")
+    out = tmp / "out"
+    cases = ["sft-lora64-ckpton", "grpo-full-ckptoff", "dpo-full-ckptoff", "grpo-mixed-sizes-lora64",
+             "grpo64-full-ckpton-profile", "raw-generate-compiled-8"]
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
+                        str(tmp / "work"), "--budget-s", "1200", "--only", ",".join(cases)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    return r, out
+
+
 @pytest.mark.slow
-def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path):
+def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tiny_harness):
     """The harness at the tiny shape on CPU, mlflow and prefect made unimportable in the training processes
     (as on a GPU box that lacks them): each case trains and reports its figures."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
-                        str(tmp_path / "work"), "--only",
-                        "sft-lora64-ckpton,grpo-full-ckptoff,dpo-full-ckptoff,grpo-mixed-sizes-lora64"],
-                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    r, out = tiny_harness
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
     assert (set(result["cases"]) == GPU_CASES and result["model_build_s"] > 0
@@ -174,14 +185,10 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tmp_path)
 
 
 @pytest.mark.slow
-def test_gpu_harness_tiny_speed_cases(tmp_path):
+def test_gpu_harness_tiny_speed_cases(tiny_harness):
     """The speed cases at the tiny shape on CPU: 64-completion GRPO with its profiler trace in the results
-    folder, the eager mixed-sizes case, and raw compiled generate (compiled on CPU, as on a GPU)."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
-                        str(tmp_path / "work"), "--only",
-                        "grpo64-full-ckpton-profile,raw-generate-compiled-8"],
-                       check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    folder, and raw compiled generate (compiled on CPU, as on a GPU)."""
+    r, out = tiny_harness
     assert r.returncode == 0, r.stderr[-2000:]
     cases = json.loads((out / "results.json").read_text())["cases"]
     profiled, raw = cases["grpo64-full-ckpton-profile"], cases["raw-generate-compiled-8"]
