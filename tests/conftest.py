@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the same variable)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Prefect keeps its database and settings in PREFECT_HOME (~/.prefect): a test process and everything it
-# starts use a folder of their own, never the user's. A test that starts a Prefect server takes `prefect_home`.
+# starts use a folder of their own, never the user's. A test that starts a Prefect server takes
+# `prefect_home`.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="vlmexp-tests-prefect-home-")
 # configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
 # tests that train a few steps from it take one prompt (and 8 records) per step
