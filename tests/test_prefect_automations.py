@@ -1,7 +1,9 @@
 """vlmexp's automations and events on a real Prefect server: `vlmexp prefect-setup` creates the zombie-run
 automation and the notifications (idempotently), `prefect deploy` the trigger that retrains on new data; a
 failed pipeline run and a promotion emit their events, which the server's automations deliver to a webhook
-block pointing at this test; the data sensor's event starts a scheduled-retrain run."""
+block pointing at this test; the data sensor's event starts a scheduled-retrain run; and the zombie automation
+crashes a run gone silent. One test: the zombie automation's shortest window (150 s after a heartbeat) runs
+while the rest is exercised, instead of after it."""
 
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def _wait(what, seconds: float = 90):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prefect_database):
-    """A Prefect server with prefect.yaml deployed (scheduled-retrain with its data trigger, the sensor) and a
-    webhook notification block `custom-webhook/hook` that posts to this test (RECEIVED)."""
+    """A Prefect server with a webhook notification block `custom-webhook/hook` that posts to this test
+    (RECEIVED); the test deploys prefect.yaml while the zombie automation's window runs."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -58,7 +60,6 @@ def server(tmp_path_factory, prefect_database):
     shutil.copytree(prefect_database, home)
     with prefect_server(home.parent, home) as server, \
             temporary_settings({PREFECT_API_URL: server.url}):
-        create_pools_and_deploy(server)
         CustomWebhookNotificationBlock(name="test", url=f"http://127.0.0.1:{hook.server_port}/hook",
                                        json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("hook")
         yield server
@@ -74,9 +75,27 @@ def _setup(server, *args: str) -> str:
     return r.stdout + r.stderr
 
 
-def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
+def test_automations_notify_retrain_on_new_data_and_crash_a_run_gone_silent(server, tmp_path):
+    """The set-up twice (no duplicates; an unknown block refused), the zombie automation's trigger at the
+    default heartbeat (180 s: a 600 s window), then at the shortest heartbeat Prefect allows (30 s: a 150 s
+    window) on flow runs whose process is gone (created through the API, their heartbeats sent from here).
+    While that window runs: prefect.yaml is deployed (scheduled-retrain with its data trigger, the sensor); a
+    failed pipeline run, a promotion and new data under the sensor emit their events, two notifications reach
+    the webhook and the data trigger starts a scheduled-retrain run. Then a vlm-stage run whose last event was
+    a heartbeat is marked Crashed with the automation's message and the lost-run notification goes out; one
+    that completed and then sent a heartbeat (the known false positive, PrefectHQ/prefect#18653) stays
+    Completed; a run of another flow that went silent is left alone."""
+    _set_up_automations(server)
+    runs, last = _runs_gone_silent()
+    _deploy(server)
+    _failure_promotion_and_new_data_are_delivered(tmp_path)
+    _only_the_lost_run_is_crashed(runs, last)
+
+
+def _set_up_automations(server) -> None:
+    """`vlmexp prefect-setup` refuses an unknown block, creates, then updates by name; its zombie trigger at
+    the default heartbeat, then at 30 s."""
     from prefect import get_client
-    from prefect.events.filters import EventFilter, EventNameFilter
 
     from flows.automations import FLOWS, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED, ZOMBIE
 
@@ -87,8 +106,7 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
     with get_client(sync_client=True) as client:
         automations = {a.name: a for a in client.read_automations()}
         assert [a.name for a in client.read_automations()].count(ZOMBIE) == 1
-    assert {ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED,
-            "vlmexp: retrain when the demo data changes"} <= set(automations)
+    assert {ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED} <= set(automations)
     zombie = automations[ZOMBIE].trigger
     assert zombie.posture == "Proactive" and zombie.after == {"prefect.flow-run.heartbeat"}
     # 3 x 180 s + 60
@@ -96,50 +114,23 @@ def test_automations_notify_and_new_data_starts_a_retrain(server, tmp_path):
     assert zombie.match_related["prefect.resource.name"] == FLOWS
     assert automations[ZOMBIE].actions[0].force is False  # a finished run is never turned into Crashed
 
-    _fail_a_pipeline_run(tmp_path)
-    from tasks.events import emit_promoted
-    from vlmexp.results import Promotion
-
-    emit_promoted(Promotion("vlmexp-demo", "3", "rec_mean_iou", 0.41, "2", 0.35, True, "0.4100 > 0.3500"), "")
-    retrains = _new_data_starts_a_retrain(tmp_path)
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all()
-    names = ["vlmexp.pipeline.failed", "vlmexp.model.promoted", "vlmexp.data.changed"]
-
-    def read_events():
-        with get_client(sync_client=True) as client:  # the server takes at most 50 a page
-            found = {e.event: e for e in client.read_events(EventFilter(event=EventNameFilter(name=names)),
-                                                            limit=50).events}
-        return found if len(found) == len(names) else None
-
-    events = _wait(read_events)
-    assert events and set(events) == set(names), events
-    assert events["vlmexp.pipeline.failed"].resource.id == "vlmexp.pipeline.demo"
-    assert events["vlmexp.model.promoted"].payload["version"] == "3"
-    assert events["vlmexp.data.changed"].resource.id == "vlmexp.data.demo"
-    bodies = _wait(lambda: " | ".join(r["subject"] + ": " + r["body"] for r in RECEIVED)
-                   if len(RECEIVED) >= 2 else None)
-    assert bodies and "vlmexp-demo version 3 is the champion" in bodies, bodies
-    assert "pipeline demo Failed" in bodies and "sft.args.learning_rate" in bodies, bodies
-    assert retrains, "no scheduled-retrain run was started by the data trigger"
+    assert f"updated: {ZOMBIE}" in _setup(server, "--notify", "custom-webhook/hook",
+                                          "--heartbeat-seconds", "30")
+    with get_client(sync_client=True) as client:
+        (zombie,) = client.read_automations_by_name(ZOMBIE)
+    assert zombie.trigger.within == timedelta(seconds=150)  # 3 x 30 s + 60
 
 
-def test_a_run_gone_silent_is_crashed_and_a_finished_one_is_not(server):
-    """The zombie automation at the shortest heartbeat Prefect allows (30 s: a 150 s window), on flow runs
-    whose process is gone (created through the API, their heartbeats sent from here): a vlm-stage run whose
-    last event was a heartbeat is marked Crashed with the automation's message and the lost-run notification
-    goes out; one that completed and then sent a heartbeat (the known false positive, PrefectHQ/prefect#18653)
-    stays Completed; a run of another flow that went silent is left alone."""
+def _runs_gone_silent() -> tuple[dict, float]:
+    """Three running flow runs, each with one heartbeat, whose process is gone: `lost-node` and `finished`
+    (vlm-stage; `finished` completes, then sends one more heartbeat, which arms the trigger once more) and
+    `not-ours` (another flow). {name: (run, flow)} and the time of the last heartbeat."""
     from prefect import flow, get_client
     from prefect.events import emit_event
     from prefect.events.worker import EventsWorker
     from prefect.states import Completed, Running
 
-    from flows.automations import ZOMBIE, ZOMBIE_MESSAGE
     from flows.stage import vlm_stage
-
-    assert ZOMBIE in _setup(server, "--notify", "custom-webhook/hook", "--heartbeat-seconds", "30")
 
     @flow(name="not-vlmexp")
     def elsewhere():
@@ -160,13 +151,72 @@ def test_a_run_gone_silent_is_crashed_and_a_finished_one_is_not(server):
         for run, of in runs.values():
             heartbeat(run, of)
         client.set_flow_run_state(runs["finished"][0].id, Completed())
-        time.sleep(2)
-        last = heartbeat(*runs["finished"])  # sent after Completed: arms the trigger once more
+    time.sleep(2)
+    return runs, heartbeat(*runs["finished"])  # sent after Completed
+
+
+def _deploy(server) -> None:
+    """`prefect deploy --all` (and the pools it names): scheduled-retrain with its data trigger, which is an
+    automation on the server, and the sensor."""
+    from prefect import get_client
+
+    create_pools_and_deploy(server)
+    with get_client(sync_client=True) as client:
+        assert client.read_automations_by_name("vlmexp: retrain when the demo data changes")
+
+
+def _failure_promotion_and_new_data_are_delivered(tmp_path: Path) -> None:
+    """A failed pipeline run, a promotion and the sensor's new data: their three events on the server, the
+    failure's and the promotion's notifications at the webhook, and a scheduled-retrain run started."""
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.events.worker import EventsWorker
+
+    from tasks.events import emit_promoted
+    from vlmexp.results import Promotion
+
+    _fail_a_pipeline_run(tmp_path)
+    emit_promoted(Promotion("vlmexp-demo", "3", "rec_mean_iou", 0.41, "2", 0.35, True, "0.4100 > 0.3500"), "")
+    retrains = _new_data_starts_a_retrain(tmp_path)
+    EventsWorker.drain_all()
+    names = ["vlmexp.pipeline.failed", "vlmexp.model.promoted", "vlmexp.data.changed"]
+
+    def read_events():
+        with get_client(sync_client=True) as client:  # the server takes at most 50 a page
+            found = {e.event: e for e in client.read_events(EventFilter(event=EventNameFilter(name=names)),
+                                                            limit=50).events}
+        return found if len(found) == len(names) else None
+
+    events = _wait(read_events)
+    assert events and set(events) == set(names), events
+    assert events["vlmexp.pipeline.failed"].resource.id == "vlmexp.pipeline.demo"
+    assert events["vlmexp.model.promoted"].payload["version"] == "3"
+    assert events["vlmexp.data.changed"].resource.id == "vlmexp.data.demo"
+
+    def received():  # the lost-run notification may arrive among them
+        bodies = " | ".join(r["subject"] + ": " + r["body"] for r in RECEIVED)
+        return bodies if "is the champion" in bodies and "pipeline demo" in bodies else None
+
+    bodies = _wait(received)
+    assert bodies and "vlmexp-demo version 3 is the champion" in bodies, RECEIVED
+    assert "pipeline demo Failed" in bodies and "sft.args.learning_rate" in bodies, bodies
+    assert retrains, "no scheduled-retrain run was started by the data trigger"
+
+
+def _only_the_lost_run_is_crashed(runs: dict, last: float) -> None:
+    """Within the 150 s window and a margin of `last` (the last heartbeat's time): `lost-node` Crashed by the
+    automation and its notification sent; past `finished`'s window too, `finished` still Completed and
+    `not-ours` still Running."""
+    from prefect import get_client
+
+    from flows.automations import ZOMBIE_MESSAGE
+
+    with get_client(sync_client=True) as client:
 
         def state(name: str):
             return client.read_flow_run(runs[name][0].id).state
 
-        crashed = _wait(lambda: state("lost-node").is_crashed(), 240)
+        crashed = _wait(lambda: state("lost-node").is_crashed(), last + 240 - time.monotonic())
         assert crashed and state("lost-node").message == ZOMBIE_MESSAGE, state("lost-node")
         time.sleep(max(0.0, last + 150 + 30 - time.monotonic()))  # past the finished run's window too
         assert state("finished").is_completed(), state("finished")
