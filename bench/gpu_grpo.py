@@ -142,7 +142,10 @@ def main() -> None:
     tokens = G * seqs.shape[1]
     peak = matmul_peak(device, dtype, 8192 if device.type == "cuda" else 1024)
     med = {k: statistics.median(v) for k, v in phases.items()}
-    rate = lambda key, flops: flops / med[key] if key in med else None  # absent with --generate-only
+
+    def rate(key: str, flops: float) -> float | None:
+        return flops / med[key] if key in med else None  # absent with --generate-only
+
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "shape": "tiny" if args.tiny else "qwen2.5-vl-3b",

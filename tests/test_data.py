@@ -104,7 +104,10 @@ def test_data_yaml_mixture_manifest_and_seed(tmp_path, imgs):
     assert all(len(s["sha256"]) == 64 for s in manifest["sources"])
     again = sample_sources(sources, tmp_path / "o2.jsonl", seed=3)
     other = sample_sources(sources, tmp_path / "o3.jsonl", seed=4)
-    problems = lambda r: [x.problem for x in _read(r.path)]
+
+    def problems(r):
+        return [x.problem for x in _read(r.path)]
+
     assert problems(res) == problems(again) and problems(res) != problems(other)
     assert problems(res)[-6:] == [f"q{i}" for i in range(24, 30)]
 

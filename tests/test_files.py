@@ -55,7 +55,7 @@ def test_new_folder_never_replaces_a_folder_vlmexp_did_not_make(tmp_path):
     (user / "todo.txt").write_text("keep")
     (user / "notes" / "a.md").write_text("keep too")
     with pytest.raises(FileExistsError, match=f"{user} holds files vlmexp did not make"):
-        with new_folder(user, replace=True) as tmp:
+        with new_folder(user, replace=True):
             raise AssertionError("the block must not run")  # refused before any work
     assert (user / "todo.txt").read_text() == "keep" and (user / "notes" / "a.md").read_text() == "keep too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary left

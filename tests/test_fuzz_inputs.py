@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -62,7 +62,9 @@ def test_targets_per_record_format(sampled):
 
 
 def test_check_names_each_source_without_answer_text(sampled, tmp_path):
-    lines = lambda *fmts: [r.to_json() for fmt in fmts for r in sampled[fmt]]
+    def lines(*fmts):
+        return [r.to_json() for fmt in fmts for r in sampled[fmt]]
+
     mixed = write_jsonl(tmp_path / "train.jsonl", lines("rec", "easyr1", "pairs"))
     with pytest.raises(DataError) as e:
         check_sft_targets(mixed, None)

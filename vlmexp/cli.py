@@ -168,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
-    from vlmexp.pipeline.processes import (STOP_SIGNALS, StageInterrupted, stop_outside_a_stage, stop_signal,
-                                           stopped_by)
+    from vlmexp.pipeline.processes import (
+        STOP_SIGNALS,
+        StageInterrupted,
+        stop_outside_a_stage,
+        stop_signal,
+        stopped_by,
+    )
 
     # SIGTERM and SIGHUP stop a command as Ctrl-C does: its stage processes are stopped too
     # handlers only go to the main thread. SIGINT is taken even when it came ignored (a background job of a

@@ -71,7 +71,10 @@ def speed_cases() -> dict[str, dict]:
     the generation section) and after (the default on CUDA: compiled, static cache, prompt buckets), same
     call."""
     grpo = stage_cases()["grpo-full-ckpton"]
-    with_args = lambda *extra: {**grpo, "overrides": [*grpo["overrides"], *extra]}
+
+    def with_args(*extra: str) -> dict:
+        return {**grpo, "overrides": [*grpo["overrides"], *extra]}
+
     return {"grpo-full-ckpton-eager": with_args(*EAGER),
             "grpo64-full-ckpton-eager": with_args(*SIXTY_FOUR, *EAGER),
             "grpo64-full-ckpton": with_args(*SIXTY_FOUR),

@@ -240,7 +240,6 @@ def read_records(path: str | Path) -> list[Row]:
 def check_source(src: DataSource) -> list[tuple[str, Any, str]]:
     """(field, value, problem) for each field of a source that names something the data package defines: its
     sampling strategy and the record fields its `columns` map to. Reads nothing."""
-    from vlmexp.data.formats import FIELDS
     from vlmexp.data.strategies import parse_strategy
 
     out: list[tuple[str, Any, str]] = []
