@@ -61,6 +61,14 @@ def pytest_make_collect_report(collector):
     _skip_fails(outcome.get_result())
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules with slow tests first (each module's tests stay together, in their order, so a module's
+    fixtures are built once): the two test processes then start on the minutes-long tests and end on
+    seconds-long ones, instead of one process running a long test alone at the end."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)  # a stable sort: the order kept otherwise
+
+
 def shared(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
     """`build(folder)` once per test run, in a folder every process of a parallel (xdist) run finds: the
     first process builds it under a lock, the others wait and reuse it. Nothing may write into it."""
