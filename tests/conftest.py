@@ -3,6 +3,7 @@ the processes of a parallel run; a skipped test fails the run unless the machine
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -27,6 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # starts use a folder of their own, never the user's. A test that starts a Prefect server takes
 # `prefect_home`.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="vlmexp-tests-prefect-home-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 # configs/demo.yaml batches 32 SFT records and 8 GRPO prompts (64 completions) per step for its demo run;
 # tests that train a few steps from it take one prompt (and 8 records) per step
 SMALL_BATCHES = ["sft.args.per_device_train_batch_size=8", "grpo.args.per_device_train_batch_size=8",
