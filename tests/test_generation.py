@@ -162,3 +162,35 @@ def test_grpo_rollouts_generate_as_the_section_says(tmp_path, tiny_models):
     assert counter.count.shapes and counter.count.total == 0 and trainer.state.global_step == 1
     assert all((cache_len - 8) % 32 == 0 for _, cache_len in counter.count.shapes), counter.count.shapes
     assert (final / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_compiled_rollouts_put_the_compile_count_in_every_log_callbacks_see(tmp_path, tiny_models):
+    """With compiled generation the compile count is in each log that the trainer's other callbacks see
+    (MLflow's, a caller's, added when the trainer is built): it runs first, not after them."""
+    from transformers import TrainerCallback
+
+    from vlmexp.train.grpo import build_grpo_trainer
+
+    class Seen(TrainerCallback):
+        def __init__(self):
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    cfg = _cfg(tmp_path, f"model.path={tiny_models['qwen2_5_vl']}", "sft.enabled=false",
+               "grpo.args.num_generations=2", "grpo.args.per_device_train_batch_size=4",
+               "generation.compile=on")
+    seen = Seen()
+    trainer, _, _ = build_grpo_trainer(cfg, callbacks=[seen])
+    trainer.log({"loss": 0.5})
+    assert seen.logs[-1]["loss"] == 0.5
+    assert {"generation/compilations": 0.0, "generation/compiled_shapes": 0.0,
+            "generation/unexplained_compilations": 0.0}.items() <= seen.logs[-1].items(), seen.logs[-1]
+    eager = _cfg(tmp_path / "eager", f"model.path={tiny_models['qwen2_5_vl']}", "sft.enabled=false",
+                 "grpo.args.num_generations=2", "grpo.args.per_device_train_batch_size=4",
+                 "generation.compile=off")
+    trainer, _, _ = build_grpo_trainer(eager, callbacks=[seen])
+    trainer.log({"loss": 0.25})
+    assert seen.logs[-1]["loss"] == 0.25 and "generation/compilations" not in seen.logs[-1]

@@ -53,9 +53,11 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
                                  callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
-    # TRL's rollouts as every stage generates
+    # TRL's rollouts as every stage generates; the compile count first among the callbacks, so the logs that
+    # MLflow's callback and the caller's callbacks see carry it
     settings = resolve(cfg.generation, trainer.accelerator.device.type)
-    trainer.add_callback(CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
+    trainer.callback_handler.callbacks.insert(
+        0, CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
     # the table's boxes
     scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every,
