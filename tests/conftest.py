@@ -28,7 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 from vlmexp.data.demo import Scenes
 
 REPO = Path(__file__).resolve().parents[1]
-# Two test processes share the 2-core machines CI runs on: a `vlmexp run` that a test starts gives Prefect's
+# The test processes share the 2-core machines CI runs on: a `vlmexp run` that a test starts gives Prefect's
 # temporary server two minutes to answer, not the 20 s a user's idle machine needs (a user who needs more sets
 # the same variable)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -73,7 +73,7 @@ def pytest_make_collect_report(collector):
 
 def pytest_collection_modifyitems(config, items):
     """The modules with slow tests first (each module's tests stay together, in their order, so a module's
-    fixtures are built once): the two test processes then start on the minutes-long tests and end on
+    fixtures are built once): the test processes then start on the minutes-long tests and end on
     seconds-long ones, instead of one process running a long test alone at the end."""
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)  # a stable sort: the order kept otherwise
