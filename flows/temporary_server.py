@@ -120,6 +120,9 @@ def temporary_server() -> Iterator[None]:
     timeout = STARTUP_TIMEOUT.value()
     if created := new_database():
         timeout = max(timeout, FIRST_START_TIMEOUT_S)
+        # Prefect makes PREFECT_HOME, not the folders above it: a PREFECT_HOME under a new folder (a CI
+        # cache, a fresh volume) failed its start with "unable to open database file"
+        created.parent.mkdir(parents=True, exist_ok=True)
         log.info("Creating Prefect's database %s: its first start runs Prefect's migrations (about half a "
                  "minute, once per machine)", created)
     log.info("Starting temporary server on %s", address)

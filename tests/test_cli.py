@@ -60,7 +60,8 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
 def test_run_demo_builds_model_and_samples(tmp_path):
     """The first `vlmexp run` on a new machine: Prefect's database does not exist yet and its start-up timeout
     is Prefect's default (20 s); the temporary server's first start runs Prefect's migrations, which take
-    longer than that on a 2-core machine, and the run waits for them, saying why."""
+    longer than that on a 2-core machine, and the run waits for them, saying why. PREFECT_HOME is under a
+    folder that does not exist yet either (Prefect makes PREFECT_HOME only)."""
     import os
 
     out = tmp_path / "run"
@@ -68,9 +69,9 @@ def test_run_demo_builds_model_and_samples(tmp_path):
                                                             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}
     r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
                "data.demo.val=4", "sft.enabled=false", "grpo.enabled=false", cwd=tmp_path,
-               env={**env, "PREFECT_HOME": str(tmp_path / ".prefect")})
+               env={**env, "PREFECT_HOME": str(tmp_path / "new" / ".prefect")})
     assert r.returncode == 0, r.stderr
-    database = tmp_path / ".prefect" / "prefect.db"
+    database = tmp_path / "new" / ".prefect" / "prefect.db"
     assert f"Creating Prefect's database {database}" in r.stdout + r.stderr and database.stat().st_size > 0
     train = (out / "data" / "train.jsonl").read_text().splitlines()
     val = (out / "data" / "val.jsonl").read_text().splitlines()
