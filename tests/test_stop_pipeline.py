@@ -20,10 +20,10 @@ import pytest
 from tests.conftest import SMALL_BATCHES, as_a_terminal_job
 
 REPO = Path(__file__).resolve().parents[1]
-# SFT then GRPO, nothing after them: the stop comes in SFT, the resume runs the two stages to the end. The stop
-# is sent once SFT's checkpoint-2 is complete and lands within a second (a few tenths on an idle machine); the
-# 10 steps and 5 saves left after it (5-15 s on a loaded 2-core machine) keep it in SFT, and are all that the
-# resume trains of SFT
+# SFT then GRPO, nothing after them: the stop comes in SFT, the resume runs the two stages to the end. The
+# stop is sent once SFT's checkpoint-2 is complete and lands within a second (tenths of one on an idle
+# machine); the 10 steps and 5 saves left after it (5-15 s on a loaded 2-core machine) keep it in SFT, and
+# are all the SFT that the resume trains
 SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=12", "sft.args.save_steps=2",
              "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.args.max_steps=2",
              "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "eval.enabled=false",
