@@ -20,12 +20,18 @@ from conftest import SMALL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-SAVE_STEPS, MAX_STEPS = 2, 6
+SAVE_STEPS, MAX_STEPS = 2, 10
 GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4",
         f"grpo.args.max_steps={MAX_STEPS}", f"grpo.args.save_steps={SAVE_STEPS}", "grpo.args.logging_steps=1",
         "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
         "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
+# One training, crashed by each fault in turn: every run after the first resumes the one before it, and is
+# itself crashed by the next fault, until the last run finishes. (fault, exit code of the crashed run, newest
+# complete checkpoint the next run resumes from)
+FAULTS = [("kill_at_step:3", -signal.SIGKILL, 2),   # preempted between checkpoints
+          ("kill_in_save:6", -signal.SIGKILL, 4),   # killed while checkpoint-6 is half written
+          ("enospc_in_save:8", 1, 6)]               # disk full while writing checkpoint-8
 
 
 def _train(out: Path, env: dict[str, str], uri: str, run_id: str) -> subprocess.CompletedProcess:
@@ -35,12 +41,14 @@ def _train(out: Path, env: dict[str, str], uri: str, run_id: str) -> subprocess.
                           capture_output=True, text=True, cwd=REPO, env=env)
 
 
-@pytest.mark.parametrize(("fault", "crash"), [
-    ("kill_at_step:3", -signal.SIGKILL),   # preempted between checkpoints
-    ("kill_in_save:4", -signal.SIGKILL),   # killed while checkpoint-4 is half written
-    ("enospc_in_save:4", 1),               # disk full while writing checkpoint-4
-])
-def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault, crash):
+def _resumed_from(run: subprocess.CompletedProcess) -> int:
+    return int(run.stderr.split("(resume: ")[1].split(")")[0].rsplit("-", 1)[1])
+
+
+def test_grpo_faults_resume_from_the_newest_complete_checkpoint(tmp_path):
+    """A kill between checkpoints, a kill while a checkpoint is half written, a full disk while writing one:
+    after each, the same command resumes from the newest complete checkpoint (a resumed run crashed by the
+    next fault), recomputing at most save_steps steps; the last run finishes with each step in MLflow once."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -48,22 +56,28 @@ def test_grpo_fault_resumes_from_the_newest_complete_checkpoint(tmp_path, fault,
     run_id = client.create_run(client.create_experiment("faults")).info.run_id
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests"),
                                                         str(REPO)])}
-
-    first = _train(tmp_path, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
-    assert first.returncode == crash, first.stderr[-3000:]
-    if crash == 1:
-        assert "No space left on device (planted)" in first.stderr
-    step = int(fault.split(":")[1])
     grpo = tmp_path / "grpo"
-    assert not (grpo / "final").exists()
-    if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
-        assert ((grpo / f"checkpoint-{step}").is_dir()
-                and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists())
 
-    second = _train(tmp_path, env, uri, run_id)
-    assert second.returncode == 0, second.stderr[-3000:]
-    resumed_from = int(second.stderr.split("(resume: ")[1].split(")")[0].rsplit("-", 1)[1])
-    assert resumed_from == 2 and step - resumed_from <= SAVE_STEPS  # at most save_steps steps recomputed
+    resumed_from = None  # the first run starts from the start
+    for fault, crash, newest in FAULTS:
+        run = _train(tmp_path, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
+        assert run.returncode == crash, (fault, run.stderr[-3000:])
+        if resumed_from is not None:
+            assert _resumed_from(run) == resumed_from, (fault, run.stderr[-3000:])
+        if crash == 1:
+            assert "No space left on device (planted)" in run.stderr
+        step = int(fault.split(":")[1])
+        assert not (grpo / "final").exists()
+        if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
+            assert ((grpo / f"checkpoint-{step}").is_dir()
+                    and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists()), fault
+        assert (grpo / f"checkpoint-{newest}" / "trainer_state.json").is_file(), fault
+        assert step - newest <= SAVE_STEPS  # at most save_steps steps recomputed
+        resumed_from = newest
+
+    last = _train(tmp_path, env, uri, run_id)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert _resumed_from(last) == resumed_from, last.stderr[-3000:]
     state = json.loads((grpo / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
     assert state["global_step"] == MAX_STEPS and (grpo / "final" / "model.safetensors").is_file()
 
@@ -170,3 +184,20 @@ def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
     state = json.loads((tmp_path / "grpo" / "checkpoint-12" / "trainer_state.json").read_text())
     assert state["global_step"] == 12 and (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
     assert "MLflow store unreachable" in stderr and "MLflow could not close the run" in stderr
+
+
+def test_a_resume_skips_the_training_steps_in_mlflow_not_the_system_metric_samples(tmp_path):
+    """MLflow's system metrics count their samples in `step`: a slow run's count passes its training steps,
+    and taking it for the last logged step would leave the resumed steps unlogged."""
+    from mlflow.tracking import MlflowClient
+
+    from vlmexp.tracking.stage_run import last_logged_step
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("faults")).info.run_id
+    for step in range(1, 4):
+        client.log_metric(run_id, "loss", 1.0 / step, step=step)
+    for sample in range(30):
+        client.log_metric(run_id, "system/cpu_utilization_percentage", 50.0, step=sample)
+    assert last_logged_step(uri, run_id) == 3

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import as_a_terminal_job
+from vlmexp.pipeline.processes import STOP_GRACE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,15 +37,18 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def _start_driver(tmp_path, launcher: str) -> tuple[subprocess.Popen, int]:
+def _start_driver(tmp_path, launcher: str, grace: float = STOP_GRACE) -> tuple[subprocess.Popen, int]:
     """A command that streams `launcher` as `vlmexp run` streams a stage, in a process group of its own (as a
-    terminal starts a job); returns it and the pid of the launcher's worker."""
+    terminal starts a job), giving a stopped stage `grace` seconds to end; returns it and the pid of the
+    launcher's worker."""
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys
         from vlmexp.cli import main
         from vlmexp import commands
         from vlmexp.pipeline import processes
+
+        processes.STOP_GRACE = {grace!r}
 
         def fake_run(args):  # what `vlmexp run` does around a stage: stream the launcher's output
             processes.run_streaming([sys.executable, "-c", {launcher!r}], {{}}, """
@@ -77,8 +81,10 @@ def _gone_soon(pid: int, seconds: float = 10) -> bool:
 def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, to_group):
     """To the command alone (`kill PID`) or to its process group (a terminal's Ctrl-C, a closed terminal): the
     command passes the signal on to the stage, whose worker in a session of its own goes too, and exits with
-    128 + the signal."""
-    proc, worker = _start_driver(tmp_path, LAUNCHER)
+    128 + the signal. The launcher dies of the signal without passing it on (torchrun passes it on) and leaves
+    its worker holding the stage's output open, so the worker goes when the stop's grace period runs out:
+    one second here, not a user's `STOP_GRACE` (whose wait is the next test's)."""
+    proc, worker = _start_driver(tmp_path, LAUNCHER, grace=1.0)
     start = time.monotonic()
     os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
     rc = proc.wait(timeout=60)
@@ -92,8 +98,6 @@ def test_a_signal_stops_the_launcher_and_its_own_session_workers(tmp_path, sig, 
 def test_a_second_signal_kills_a_stage_that_has_not_stopped_at_once(tmp_path):
     """A worker that ignores the stop gets `STOP_GRACE` seconds; a second Ctrl-C to the group ends it at
     once."""
-    from vlmexp.pipeline.processes import STOP_GRACE
-
     stubborn = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); ")
     proc, worker = _start_driver(tmp_path, LAUNCHER.replace('"import time;', f'"{stubborn}import time;'))
