@@ -1,7 +1,7 @@
 """What the GRPO defaults cost or save: vlmexp's GRPO trainer at the demo's step with one setting changed.
 
     .venv/bin/python bench/grpo_defaults.py [--rounds 3] [--steps 12] [--prompts-per-step 8]
-        [--out bench/results/grpo_defaults.json]
+        [--out bench/results/grpo_defaults.json] [--shared DIR]
 
 Variants (VARIANTS): the defaults (beta 0: no reference model; activation checkpointing on, which TRL
 sets under its older name gradient_checkpointing), beta 0.04 (TRL loads a reference model and runs it on
@@ -47,7 +47,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        prepare_shared(work)
+        prepare_shared(work, args.shared)
         trainers = {name: build_grpo_trainer(vlmexp_config(work, args.steps, extra))[0]
                     for name, extra in VARIANTS.items()}
         times, walls = train_in_turns(trainers, args.rounds)

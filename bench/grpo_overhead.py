@@ -1,7 +1,7 @@
 """GRPO per-step cost: a plain TRL GRPOTrainer script against `vlmexp train grpo`, same model, data and args.
 
     .venv/bin/python bench/grpo_overhead.py [--rounds 3] [--steps 12] [--prompts-per-step 8] [--in-process]
-        [--out bench/results/grpo_overhead.json]
+        [--out bench/results/grpo_overhead.json] [--shared DIR]
 
 Alternates A (plain TRL, bench/plain_trl_grpo.py) and B (vlmexp) `--rounds` times in one run and reports the
 median and spread of TRL's own `step_time` per optimizer step (first two steps of each run dropped as
@@ -53,11 +53,15 @@ def step_times(history: list[dict]) -> tuple[list[float], list[float]]:
     return [h["step_time"] for h in steps], [h["completions/mean_length"] for h in steps]
 
 
-def prepare_shared(work: Path) -> tuple[str, str]:
-    """Build the tiny model and sample the demo data once under work/shared; (model folder, train.jsonl)."""
-    call([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-          f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
-          "sft.args.save_steps=1"])
+def prepare_shared(work: Path, built: str | None = None) -> tuple[str, str]:
+    """Build the tiny model and sample the demo data once under work/shared (a one-step `vlmexp train sft`),
+    or link `built`, a shared folder this function made before, there; (model folder, train.jsonl)."""
+    if built:
+        (work / "shared").symlink_to(Path(built).resolve(), target_is_directory=True)
+    else:
+        call([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
+              f"run.output_dir={work / 'shared'}", "tracking.backend=none", "sft.args.max_steps=1",
+              "sft.args.save_steps=1"])
     [model] = (work / "shared" / "models").glob("tiny-*")
     return str(model), str(work / "shared" / "data" / "train.jsonl")
 
@@ -238,6 +242,9 @@ def bench_parser(doc: str, out: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompts-per-step", type=int, default=ARGS["gradient_accumulation_steps"],
                         help="gradient_accumulation_steps: prompts per optimizer step (default: the demo's)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / out))
+    parser.add_argument("--shared", default=None, metavar="DIR",
+                        help="train from the model and data of this shared folder, made by an earlier "
+                        "prepare_shared, instead of building them (default: built for this run)")
     return parser
 
 
@@ -254,7 +261,7 @@ def main() -> None:
     args = parse_bench_args(parser)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, train = prepare_shared(work)
+        model, train = prepare_shared(work, args.shared)
         if args.in_process:
             times, walls = in_process(model, train, work, args.steps, args.rounds)
         else:

@@ -13,20 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_gpu_grpo_bench_runs_at_the_tiny_shape(tmp_path):
-    out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "bench/gpu_grpo.py", "--tiny", "--repeats", "1", "--out", str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert result["shape"] == "tiny" and result["G"] == 2 and result["new_tokens"] == 16
-    # every completion has exactly new_tokens tokens (EOS suppressed), so the token counts are fixed
-    assert result["generation_tokens_per_s"] > 0 and result["update_tokens_per_s"] > 0
-    assert (0 < result["update_mfu"] < 1
-            and set(result["phases_s"]) == {"generation_s", "logprob_pass_s", "update_s"})
-
-
 def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
     import datetime
 
@@ -49,13 +35,25 @@ def test_pipeline_bench_splits_the_wall_time_by_prefect_log_timestamps():
                       "flow end": 0.25, "exit after the last log line": 0.75}
 
 
+@pytest.fixture(scope="module")
+def grpo_shared(tmp_path_factory) -> Path:
+    """The tiny model and the sampled demo data the GRPO benches train from, built once for the runs here by
+    their own prepare_shared (a one-step `vlmexp train sft`); each run links it in with --shared."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from grpo_overhead import prepare_shared
+
+    work = tmp_path_factory.mktemp("grpo-bench")
+    prepare_shared(work)
+    return work / "shared"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["processes", "in-process"])
-def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
+def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode, grpo_shared):
     out = tmp_path / "r.json"
     flags = ["--in-process"] if mode == "in-process" else []
     r = subprocess.run([sys.executable, "bench/grpo_overhead.py", "--rounds", "1", "--steps", "4",
-                        "--prompts-per-step", "1", *flags, "--out", str(out)],
+                        "--prompts-per-step", "1", *flags, "--shared", str(grpo_shared), "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -77,10 +75,10 @@ def test_grpo_overhead_bench_times_both_sides_on_the_same_work(tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_grpo_defaults_bench_measures_each_variant(tmp_path):
+def test_grpo_defaults_bench_measures_each_variant(tmp_path, grpo_shared):
     out = tmp_path / "d.json"
     r = subprocess.run([sys.executable, "bench/grpo_defaults.py", "--rounds", "1", "--steps", "4",
-                        "--prompts-per-step", "1", "--out", str(out)],
+                        "--prompts-per-step", "1", "--shared", str(grpo_shared), "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     variants = json.loads(out.read_text())["variants"]
@@ -123,44 +121,51 @@ def test_gpu_harness_dry_run_plans_every_case(tmp_path):
                                                             "generation.compile=off"]
     assert "grpo.args.steps_per_generation=8" in cases["grpo64-full-ckpton"]["overrides"]
     assert cases["grpo64-full-ckpton-profile"]["profile_step"] == 2
-    suites = {}
-    for suite in ("speed-a", "speed-b"):
-        r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(tmp_path / suite), "--dry-run",
-                            "--suite", suite], check=False, capture_output=True, text=True, cwd=REPO,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr[-2000:]
-        planned = json.loads((tmp_path / suite / "results.json").read_text())["cases"]
-        suites[suite] = {n for n, c in planned.items() if c["status"] == "planned"}
-    # the two speed calls measure every speed case and the compiled defaults they are compared with
+    # the two speed calls (--suite speed-a, --suite speed-b) measure every speed case and the compiled
+    # defaults they are compared with; what a run selects is read from the harness itself, without a process
+    # that imports torch for its environment
+    harness = gpu_harness()
+    suites = {suite: set(harness.selected(harness.all_cases(), suite=suite)) for suite in harness.SUITES}
+    assert set(suites) == {"speed-a", "speed-b"} and all(suites[s] <= GPU_CASES for s in suites)
     assert suites["speed-a"] | suites["speed-b"] == SPEED_CASES | {"grpo-full-ckpton",
                                                                    "grpo-mixed-sizes-lora64", "demo"}
+    assert harness.selected(harness.all_cases(), "demo,autoprocessor", "speed-a") == ["demo", "autoprocessor"]
 
 
-@pytest.fixture(scope="module")
-def tiny_harness(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One harness run at the tiny shape on CPU over the stage cases, then the speed cases (one model build,
-    one matmul peak, one results.json): (the finished process, its OUT_DIR). The budget is the timeout's,
-    so no case is skipped on a loaded machine."""
-    tmp = tmp_path_factory.mktemp("gpu-harness-tiny")
-    out = tmp / "out"
-    cases = ["sft-lora64-ckpton", "grpo-full-ckptoff", "dpo-full-ckptoff", "grpo-mixed-sizes-lora64",
-             "grpo64-full-ckpton-profile", "raw-generate-compiled-8"]
-    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
-                        str(tmp / "work"), "--budget-s", "1200", "--only", ",".join(cases)],
-                       check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
-    return r, out
+def gpu_harness():
+    """bench/gpu/harness.py as a module (it puts its folder on sys.path to import runners.py; put back
+    after)."""
+    import importlib.util
+
+    path = sys.path[:]
+    spec = importlib.util.spec_from_file_location("gpu_harness", REPO / "bench" / "gpu" / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
 
 
 @pytest.mark.slow
-def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tiny_harness):
-    """The harness at the tiny shape on CPU, mlflow and prefect made unimportable in the training processes
-    (as on a GPU box that lacks them): each case trains and reports its figures."""
-    r, out = tiny_harness
+def test_gpu_harness_tiny_trains_every_stage_and_the_speed_cases_without_mlflow_or_prefect(tmp_path):
+    """One harness run at the tiny shape on CPU (one model build, one matmul peak, one results.json) over a
+    case of each stage, then speed cases, mlflow and prefect made unimportable in the training processes (as
+    on a GPU box that lacks them): each case trains and reports its figures; 64-completion GRPO leaves its
+    profiler trace in the results folder; raw compiled generate (compiled on CPU, as on a GPU) is
+    bench/gpu_grpo.py at the tiny shape. The budget is the timeout's, so no case is skipped on a loaded
+    machine."""
+    out = tmp_path / "out"
+    cases = ["sft-lora64-ckpton", "dpo-full-ckptoff", "grpo-mixed-sizes-lora64", "grpo64-full-ckpton-profile",
+             "raw-generate-compiled-8"]
+    r = subprocess.run([sys.executable, "bench/gpu/harness.py", str(out), "--tiny", "--work",
+                        str(tmp_path / "work"), "--budget-s", "1200", "--only", ",".join(cases)],
+                       check=False, capture_output=True, text=True, cwd=REPO, timeout=1200)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
     assert (set(result["cases"]) == GPU_CASES and result["model_build_s"] > 0
             and result["matmul_peak_tflops"] > 0)
-    sft, grpo = result["cases"]["sft-lora64-ckpton"], result["cases"]["grpo-full-ckptoff"]
+    sft, grpo = result["cases"]["sft-lora64-ckpton"], result["cases"]["grpo64-full-ckpton-profile"]
     assert sft["status"] == grpo["status"] == "ok", (sft.get("log_tail"), grpo.get("log_tail"))
     assert result["cases"]["sft-full-ckpton"]["status"] == "not selected"
     common = {"steps", "step_s", "tokens_per_step", "tokens_per_s", "mfu", "peak_gpu_memory_gib",
@@ -172,9 +177,14 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tiny_harn
         f = case["figures"]
         assert f["steps"] == 3 and f["step_s"] > 0 and f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1
         assert f["imported"]["mlflow"] is False and f["imported"]["prefect"] is False
-    # a LoRA step trains the adapters only; 2 completions x 8 new tokens, EOS held back by min_new_tokens
+    # a LoRA step trains the adapters only; 8 prompts x G 2 completions x 8 new tokens, EOS held back by
+    # min_new_tokens
     assert sft["figures"]["trainable_parameters"] < sft["figures"]["lm_parameters"]
-    assert grpo["figures"]["generated_tokens_per_step"] == 16 and grpo["figures"]["update_s"] > 0
+    assert grpo["record"]["completions_per_step"] == 2 * 8
+    assert grpo["figures"]["generated_tokens_per_step"] == 2 * 8 * 8 and grpo["figures"]["update_s"] > 0
+    # the update's profiler trace of the second step in the results folder
+    trace = out / "traces" / "grpo64-full-ckpton-profile"
+    assert (trace / "trace.json.gz").stat().st_size > 1000 and "Self CPU" in (trace / "ops.txt").read_text()
     # DPO on pairs of the model's own samples; GRPO over mixed image sizes, the pairing guard timed per step
     dpo, mixed = result["cases"]["dpo-full-ckptoff"], result["cases"]["grpo-mixed-sizes-lora64"]
     assert dpo["status"] == mixed["status"] == "ok", (dpo.get("log_tail"), mixed.get("log_tail"))
@@ -182,21 +192,15 @@ def test_gpu_harness_tiny_trains_every_stage_without_mlflow_or_prefect(tiny_harn
             and dpo["figures"]["tokens_per_s"] > 0)
     assert mixed["figures"]["steps"] == 3 and 0 < mixed["figures"]["guard_s"] < mixed["figures"]["step_s"]
     assert mixed["figures"]["generated_tokens_per_step"] == 8 * 2 * 4  # 8 prompts x G 2 x 4 new tokens
-
-
-@pytest.mark.slow
-def test_gpu_harness_tiny_speed_cases(tiny_harness):
-    """The speed cases at the tiny shape on CPU: 64-completion GRPO with its profiler trace in the results
-    folder, and raw compiled generate (compiled on CPU, as on a GPU)."""
-    r, out = tiny_harness
-    assert r.returncode == 0, r.stderr[-2000:]
-    cases = json.loads((out / "results.json").read_text())["cases"]
-    profiled, raw = cases["grpo64-full-ckpton-profile"], cases["raw-generate-compiled-8"]
-    assert profiled["status"] == raw["status"] == "ok", (profiled.get("log_tail"), raw.get("log_tail"))
-    trace = out / "traces" / "grpo64-full-ckpton-profile"
-    assert (trace / "trace.json.gz").stat().st_size > 1000 and "Self CPU" in (trace / "ops.txt").read_text()
-    assert profiled["figures"]["steps"] == 3 and profiled["record"]["completions_per_step"] == 2 * 8
-    assert raw["record"]["compiled_generation"] is True and raw["record"]["generation_tokens_per_s"] > 0
+    # bench/gpu_grpo.py at the tiny shape, as the harness runs it: 8 sequences of exactly 16 new tokens (EOS
+    # suppressed, so the token counts are fixed), generated compiled, each phase timed
+    raw = result["cases"]["raw-generate-compiled-8"]
+    assert raw["status"] == "ok", raw.get("log_tail")
+    rec = raw["record"]
+    assert rec["shape"] == "tiny" and rec["G"] == 8 and rec["new_tokens"] == 16 and rec["compiled_generation"]
+    assert rec["generation_tokens_per_s"] > 0 and rec["update_tokens_per_s"] > 0
+    assert (0 < rec["update_mfu"] < 1
+            and set(rec["phases_s"]) == {"generation_s", "logprob_pass_s", "update_s"})
 
 
 @pytest.mark.slow

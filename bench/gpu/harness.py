@@ -117,6 +117,11 @@ SUITES = {"speed-a": ["grpo-full-ckpton-eager", "grpo-full-ckpton", "raw-generat
                       "grpo64-full-ckpton-torch-compile"]}
 
 
+def selected(cases: dict[str, dict], only: str = "", suite: str | None = None) -> list[str]:
+    """The cases a run measures, in order: --only's (comma-separated), else --suite's, else every case."""
+    return [c for c in only.split(",") if c] or SUITES.get(suite) or list(cases)
+
+
 def shape(tiny: bool) -> dict:
     """What the cases run at: the 3B shape on GPU, the tiny one on CPU."""
     if tiny:
@@ -215,7 +220,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = all_cases(args.tiny)
-    wanted = [c for c in args.only.split(",") if c] or SUITES.get(args.suite) or list(cases)
+    wanted = selected(cases, args.only, args.suite)
     unknown = sorted(set(wanted) - set(cases))
     if unknown:
         parser.error(f"--only: unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}")
