@@ -208,9 +208,10 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
 
 
 @pytest.mark.slow
-def test_two_processes_validate_on_the_main_one_only(tmp_path):
-    """torchrun with 2 CPU processes (DDP over gloo): the main process generates and scores, the other waits
-    and takes the same decisions (a save at each new best); nothing hangs."""
+def test_two_processes_share_the_data_and_validate_on_the_main_one_only(tmp_path):
+    """torchrun with 2 CPU processes (DDP over gloo): the launcher starts both and they share the data; the
+    main process generates and scores, the other waits and takes the same decisions (a save at each new
+    best); nothing hangs."""
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
                         f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
                         "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
@@ -219,8 +220,12 @@ def test_two_processes_validate_on_the_main_one_only(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "launching: " in r.stderr and "--nproc_per_node=2" in r.stderr
     assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
     state = json.loads((tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
+    # 2 steps x 2 rows x 2 processes = 8 of 16 rows: half an epoch (one process would make it a quarter)
+    assert state["epoch"] == pytest.approx(0.5)
+    assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert [h["step"] for h in state["log_history"] if "val/rec_mean_iou" in h] == [1, 2]
     assert (tmp_path / "sft" / f"checkpoint-{state['best_global_step']}").is_dir()
 
