@@ -157,7 +157,7 @@ def _trl_configs_built(tmp_path: Path, *runs: tuple[Path, list[str]]) -> list[di
     r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, json.dumps([[str(c), f] for c, f in runs])],
                        capture_output=True, text=True, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(line) for line in r.stdout.strip().splitlines()[-len(runs):]]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.slow  # two SFT steps in a subprocess
