@@ -136,7 +136,7 @@ for config, flags in json.loads(sys.argv[1]):
     rc = main(["train", "sft", "--config", config, "--in-process", *flags])
     if rc:
         sys.exit(rc)
-    print(json.dumps(built), flush=True)
+    print("built", json.dumps(built), flush=True)
 """
 
 
@@ -157,7 +157,8 @@ def _trl_configs_built(tmp_path: Path, *runs: tuple[Path, list[str]]) -> list[di
     r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, json.dumps([[str(c), f] for c, f in runs])],
                        capture_output=True, text=True, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line.removeprefix("built ")) for line in r.stdout.splitlines()
+            if line.startswith("built {")]
 
 
 @pytest.mark.slow  # two SFT steps in a subprocess
