@@ -57,48 +57,41 @@ def test_make_tiny_model_and_demo_data_commands(tmp_path):
 
 
 @pytest.mark.slow  # runs the command line in subprocesses
-def test_run_demo_builds_model_and_samples(tmp_path):
+def test_first_run_on_a_new_machine_splits_a_val_fraction_builds_the_model_and_samples(tmp_path, demo_data):
     """The first `vlmexp run` on a new machine: Prefect's database does not exist yet and its start-up timeout
     is Prefect's default (20 s); the temporary server's first start runs Prefect's migrations, which take
     longer than that on a 2-core machine, and the run waits for them, saying why. PREFECT_HOME is under a
-    folder that does not exist yet either (Prefect makes PREFECT_HOME only)."""
+    folder that does not exist yet either (Prefect makes PREFECT_HOME only). The same run holds out a
+    quarter of its data (data.val_fraction), builds the tiny model, and starts each stage with its resolved
+    config."""
     import os
 
-    out = tmp_path / "run"
+    out = tmp_path / "o"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {{output_dir: {out}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"
+                   f"data:\n  data_yaml: {demo_data / 'train.yaml'}\n  val_fraction: 0.25\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL",
                                                             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}
-    r = vlmexp("run", REPO / "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=12",
-               "data.demo.val=4", "sft.enabled=false", "grpo.enabled=false", cwd=tmp_path,
+    # the split and the stages' start are what is tested: a step per stage, no evaluation (TRL's defaults
+    # trained GRPO for 4 minutes here)
+    r = vlmexp("run", cfg, "sft.args.max_steps=1", "grpo.args.max_steps=1",
+               "grpo.args.max_completion_length=16", "eval.enabled=false", cwd=tmp_path,
                env={**env, "PREFECT_HOME": str(tmp_path / "new" / ".prefect")})
     assert r.returncode == 0, r.stderr
     database = tmp_path / "new" / ".prefect" / "prefect.db"
     assert f"Creating Prefect's database {database}" in r.stdout + r.stderr and database.stat().st_size > 0
-    train = (out / "data" / "train.jsonl").read_text().splitlines()
-    val = (out / "data" / "val.jsonl").read_text().splitlines()
-    assert len(train) == 12 and len(val) == 4
-    assert (out / "config.resolved.yaml").is_file()
-    assert list((out / "models").glob("tiny-qwen2_5_vl-*/model.safetensors"))
-    manifest = json.loads((out / "data" / "train.manifest.json").read_text())
-    assert manifest["rows"] == 12 and manifest["sources"][0]["record_format"] == "rec"
-
-
-@pytest.mark.slow  # runs the command line in subprocesses
-def test_run_with_val_fraction(tmp_path, demo_data, prefect_home):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run: {{output_dir: {tmp_path / 'o'}, seed: 3}}\nmodel: {{path: tiny:qwen2_5_vl}}\n"
-                   f"data:\n  data_yaml: {demo_data / 'train.yaml'}\n  val_fraction: 0.25\n")
-    # the split is what is tested: two short steps per stage (TRL's defaults trained GRPO for 4 minutes here)
-    r = vlmexp("run", cfg, "sft.args.max_steps=2", "grpo.args.max_steps=2",
-               "grpo.args.max_completion_length=16", "eval.max_new_tokens=16", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    train = (tmp_path / "o/data/train.jsonl").read_text().splitlines()
-    val = (tmp_path / "o/data/val.jsonl").read_text().splitlines()
+    train = (out / "data/train.jsonl").read_text().splitlines()
+    val = (out / "data/val.jsonl").read_text().splitlines()
     assert (len(train), len(val)) == (18, 6) and not set(train) & set(val)
+    assert list((out / "models").glob("tiny-qwen2_5_vl-*/model.safetensors"))
     # each stage is started with the run's resolved config, which the pipeline checked when it wrote it
-    resolved = tmp_path / "o" / "config.resolved.yaml"
+    resolved = out / "config.resolved.yaml"
+    assert resolved.is_file()
     for stage in ("sft", "grpo"):
         assert f"train {stage} --config {resolved} --in-process --checked" in r.stdout + r.stderr
-    assert json.loads((tmp_path / "o/data/val.manifest.json").read_text())["rows"] == 6
+    manifest = json.loads((out / "data/train.manifest.json").read_text())
+    assert manifest["rows"] == 18 and manifest["sources"][0]["record_format"] == "rec"
+    assert json.loads((out / "data/val.manifest.json").read_text())["rows"] == 6
 
 
 def test_run_bad_config_exits_2_before_writing(tmp_path, prefect_home):
@@ -138,9 +131,12 @@ for cls in (trl.SFTConfig, trl.DPOConfig, trl.GRPOConfig):
         built[_name] = built.get(_name, 0) + 1
         _init(self, *args, **kwargs)
     cls.__init__ = counted
-rc = main(["train", "sft", "--config", sys.argv[1], "--in-process", *sys.argv[2:]])
-print(json.dumps(built))
-sys.exit(rc)
+for config, flags in json.loads(sys.argv[1]):
+    built.clear()
+    rc = main(["train", "sft", "--config", config, "--in-process", *flags])
+    if rc:
+        sys.exit(rc)
+    print("built", json.dumps(built), flush=True)
 """
 
 
@@ -155,43 +151,42 @@ def _resolved_demo(out: Path) -> Path:
     return commit_resolved(pending)
 
 
-def _trl_configs_built(tmp_path: Path, config: Path, *flags: str) -> dict[str, int]:
-    """`vlmexp train sft --config CONFIG --in-process FLAGS` in a fresh process: TRL config classes built."""
-    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, str(config), *flags], capture_output=True,
-                       text=True, cwd=tmp_path, check=False)
+def _trl_configs_built(tmp_path: Path, *runs: tuple[Path, list[str]]) -> list[dict[str, int]]:
+    """`vlmexp train sft --config CONFIG --in-process FLAGS` for each (CONFIG, FLAGS) of `runs`, one after
+    the other in one fresh process: the TRL config classes each built."""
+    r = subprocess.run([sys.executable, "-c", COUNT_TRL_CONFIGS, json.dumps([[str(c), f] for c, f in runs])],
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return [json.loads(line.removeprefix("built ")) for line in r.stdout.splitlines()
+            if line.startswith("built {")]
 
 
-@pytest.mark.slow  # one SFT step in a subprocess
-def test_a_stage_started_from_a_resolved_config_builds_its_trl_config_once(tmp_path):
+@pytest.mark.slow  # two SFT steps in a subprocess
+def test_a_stage_builds_its_trl_config_once_from_a_checked_resolved_config_and_all_of_them_without(
+        tmp_path, capsys):
     """The pipeline starts every rank of a stage with the run's resolved config and --checked, since it
-    checked the TRL args when it wrote it: the stage process builds its own TRL config once and no other; a
-    resolved config edited by hand is still refused before the model loads, naming the field and the fix."""
-    out = tmp_path / "o"
-    resolved = _resolved_demo(out)
-    assert _trl_configs_built(tmp_path, resolved, "--checked") == {"SFTConfig": 1}
-    assert (out / "sft" / "final").is_dir()
+    checked the TRL args when it wrote it: the stage process builds its own TRL config once and no other (the
+    first command of a fresh process, so nothing was built before it). The file's name proves nothing:
+    without --checked a config.resolved.yaml is checked as any config is, every stage's TRL config class
+    built at load, then the stage's own once more. A resolved config edited by hand is still refused before
+    the model loads, naming the field and the fix."""
+    checked, unchecked = _resolved_demo(tmp_path / "checked"), _resolved_demo(tmp_path / "unchecked")
+    assert unchecked.name == "config.resolved.yaml"
+    assert _trl_configs_built(tmp_path, (checked, ["--checked"]), (unchecked, [])) == [
+        {"SFTConfig": 1}, {"SFTConfig": 2, "DPOConfig": 1, "GRPOConfig": 1}]
+    assert (tmp_path / "checked" / "sft" / "final").is_dir()
+    assert (tmp_path / "unchecked" / "sft" / "final").is_dir()
 
-    edited = resolved.read_text().replace("max_steps: 1", "max_steps: 1\n    learnin_rate: 0.001")
-    assert edited != resolved.read_text()
-    resolved.write_text(edited)
-    r = vlmexp("train", "sft", "--config", resolved, "--in-process", "--checked", cwd=tmp_path)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "sft.args.learnin_rate = 0.001" in r.stderr and "did you mean 'learning_rate'?" in r.stderr
-    assert "Traceback" not in r.stderr
+    edited = checked.read_text().replace("max_steps: 1", "max_steps: 1\n    learnin_rate: 0.001")
+    assert edited != checked.read_text()
+    checked.write_text(edited)
+    from vlmexp.cli import main
 
-
-@pytest.mark.slow  # one SFT step in a subprocess
-def test_a_config_named_resolved_without_checked_gets_the_full_check(tmp_path):
-    """The file's name proves nothing: without --checked a config.resolved.yaml is checked as any config is,
-    every stage's TRL config class built at load, then the stage's own once more."""
-    out = tmp_path / "o"
-    resolved = _resolved_demo(out)
-    assert resolved.name == "config.resolved.yaml"
-    built = _trl_configs_built(tmp_path, resolved)
-    assert built == {"SFTConfig": 2, "DPOConfig": 1, "GRPOConfig": 1}
-    assert (out / "sft" / "final").is_dir()
+    capsys.readouterr()
+    assert main(["train", "sft", "--config", str(checked), "--in-process", "--checked"]) == 2
+    stderr = capsys.readouterr().err
+    assert "sft.args.learnin_rate = 0.001" in stderr and "did you mean 'learning_rate'?" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_checked_with_overrides_is_refused_before_anything_is_read(tmp_path):

@@ -220,22 +220,29 @@ def test_dump_and_reload_round_trip(tmp_path):
     assert again == cfg
 
 
-@pytest.mark.slow  # runs the command line in subprocesses
-def test_validate_cli_exit_codes(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml")],
-                        capture_output=True, text=True, cwd=REPO)
-    assert ok.returncode == 0, ok.stderr
+@pytest.mark.slow  # runs the command line in a subprocess
+def test_validate_cli_exit_codes(capsys, monkeypatch):
+    """`vlmexp validate` exits 0 on a good config and 2 on a bad one: the command line in a process of its own
+    for a refusal, the command's `main` (whose return is the exit status) in this process for the rest."""
+    from vlmexp.cli import main
+
     bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml"),
                           "grpo.args.num_generations=3"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "divisible by num_generations" in bad.stderr
-    paths = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate",
-                            str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")],
-                           capture_output=True, text=True, cwd=REPO)
-    assert paths.returncode == 2 and "file not found" in paths.stderr
-    schema = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", "--no-check-paths",
-                             str(REPO / "configs/qwen2_5_vl_3b_rec.yaml")],
-                            capture_output=True, text=True, cwd=REPO)
-    assert schema.returncode == 0, schema.stderr
+
+    monkeypatch.chdir(REPO)  # where the command above ran
+
+    def validate(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(["validate", *args])
+        return rc, capsys.readouterr().err
+
+    ok = validate(str(REPO / "configs/demo.yaml"))
+    assert ok[0] == 0, ok[1]
+    paths = validate(str(REPO / "configs/qwen2_5_vl_3b_rec.yaml"))
+    assert paths[0] == 2 and "file not found" in paths[1]
+    schema = validate("--no-check-paths", str(REPO / "configs/qwen2_5_vl_3b_rec.yaml"))
+    assert schema[0] == 0, schema[1]
 
 
 def test_docs_config_reference_is_current():

@@ -79,29 +79,39 @@ def test_refusals_at_config_load():
     assert load_config(REPO / "configs/demo.yaml").eval.every_steps is None  # the demo: off
 
 
-def _sft_cli(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
-                           "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=16",
-                           "data.demo.val=6", *SMALL_BATCHES, "sft.args.max_steps=5",
-                           "sft.args.save_steps=100", "sft.args.logging_steps=1", "eval.max_new_tokens=12",
-                           *overrides],
-                          capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+SFT_RUNS = """
+import json, sys
+from vlmexp.cli import main
+for argv in json.loads(sys.argv[1]):
+    rc = main(argv)
+    if rc:
+        sys.exit(rc)
+"""
+
+
+def _sft_runs(*runs: tuple[Path, list[str]]) -> subprocess.CompletedProcess:
+    """`vlmexp train sft` of the demo for 5 steps into each (output folder, overrides) of `runs`, one after
+    the other in one fresh process (one import of the training stack for all of them)."""
+    argv = [["train", "sft", "--config", "configs/demo.yaml", f"run.output_dir={out}", "data.demo.train=16",
+             "data.demo.val=6", *SMALL_BATCHES, "sft.args.max_steps=5", "sft.args.save_steps=100",
+             "sft.args.logging_steps=1", "eval.max_new_tokens=12", *overrides] for out, overrides in runs]
+    return subprocess.run([sys.executable, "-c", SFT_RUNS, json.dumps(argv)], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.slow
 def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
     """Greedy validation every 2 steps and at the last (5): val/* in the stage's MLflow run at those steps;
-    the trained weights are byte-identical to a run without validation."""
+    the trained weights are byte-identical to a run without validation (both runs in one process, the plain
+    one first, so nothing validation does could be missing from it)."""
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
     store = f"sqlite:///{tmp_path / 'store.db'}"
-    plain = _sft_cli(tmp_path / "plain", "tracking.backend=none")
-    validated = _sft_cli(tmp_path / "val", "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
-                         "eval.every_steps=2", "eval.during_training_samples=4")
-    assert plain.returncode == 0 and validated.returncode == 0, (plain.stderr[-2000:]
-                                                                 + validated.stderr[-2000:])
+    r = _sft_runs((tmp_path / "plain", ["tracking.backend=none"]),
+                  (tmp_path / "val", ["tracking.backend=mlflow", f"tracking.tracking_uri={store}",
+                                      "eval.every_steps=2", "eval.during_training_samples=4"]))
+    assert r.returncode == 0, r.stderr[-4000:]
     a, b = (load_file(tmp_path / d / "sft" / "final" / "model.safetensors") for d in ("plain", "val"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
@@ -114,7 +124,8 @@ def test_sft_validates_into_mlflow_and_leaves_training_unchanged(tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
     summary = json.loads((tmp_path / "val" / "sft" / "validation.json").read_text())
     assert summary["metric"] == "val/rec_mean_iou" and [s for s, _ in summary["history"]] == [2, 4, 5]
-    assert "validation on 4 held-out records x 1" in validated.stderr
+    assert not (tmp_path / "plain" / "sft" / "validation.json").exists()
+    assert r.stderr.count("validation on 4 held-out records x 1") == 3  # steps 2, 4, 5 of the second run
     _assert_validation_pictures(client, run.info.run_id, tmp_path / "val", tmp_path / "dl")
 
 
@@ -208,9 +219,10 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
 
 
 @pytest.mark.slow
-def test_two_processes_validate_on_the_main_one_only(tmp_path):
-    """torchrun with 2 CPU processes (DDP over gloo): the main process generates and scores, the other waits
-    and takes the same decisions (a save at each new best); nothing hangs."""
+def test_two_processes_share_the_data_and_validate_on_the_main_one_only(tmp_path):
+    """torchrun with 2 CPU processes (DDP over gloo): the launcher starts both and they share the data; the
+    main process generates and scores, the other waits and takes the same decisions (a save at each new
+    best); nothing hangs."""
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
                         f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
                         "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
@@ -219,8 +231,12 @@ def test_two_processes_validate_on_the_main_one_only(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "launching: " in r.stderr and "--nproc_per_node=2" in r.stderr
     assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
     state = json.loads((tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
+    # 2 steps x 2 rows x 2 processes = 8 of 16 rows: half an epoch (one process would make it a quarter)
+    assert state["epoch"] == pytest.approx(0.5)
+    assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert [h["step"] for h in state["log_history"] if "val/rec_mean_iou" in h] == [1, 2]
     assert (tmp_path / "sft" / f"checkpoint-{state['best_global_step']}").is_dir()
 
