@@ -91,11 +91,13 @@ def close_stage_run(run: StageRun | None, status: str) -> None:
 
 
 def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
-    """The highest step of any metric already in MLflow run `run_id` (0 when none or no run)."""
+    """The highest training step of any metric already in MLflow run `run_id` (0 when none or no run). The
+    system metrics (`system/...`) are left out: their step counts samples, one every
+    tracking.system_metrics_seconds, not training steps."""
     if not tracking_uri or not run_id:
         return 0
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    keys = client.get_run(run_id).data.metrics
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith("system/")]
     return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=0)
