@@ -4,6 +4,7 @@ deployment tests)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The server's loop services that no test here exercises (late runs, paused runs' timeouts, cancelled
+# parents' children, concurrency leases, workers' and pools' status): off, so a server that lives through a
+# long test does not keep querying its database for them on a shared CPU. The scheduler, the triggers and
+# actions, and the event and task-run recorders stay on.
+UNUSED_SERVICES = ("LATE_RUNS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP", "REPOSSESSOR", "FOREMAN")
 
 
 def free_port() -> int:
@@ -55,13 +61,16 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/api"
         self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.url,
-                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false",
+                    "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+                    **{f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in UNUSED_SERVICES}}
         self.logs = tmp_path / "logs"
         self.logs.mkdir(exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self._start("server", ["server", "start", "--host", "127.0.0.1", "--port", str(port)])
-        wait_http(f"http://127.0.0.1:{port}/api/health")
+        # half a minute on an idle 2-core machine; more than a minute with three test processes and their
+        # training processes on it
+        wait_http(f"http://127.0.0.1:{port}/api/health", 240)
 
     def _start(self, log: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         proc = subprocess.Popen([str(BIN / "prefect"), *args], env=env or self.env, cwd=REPO,
@@ -75,11 +84,12 @@ class Server:
         assert r.returncode == 0, f"prefect {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r.stdout
 
-    def worker(self, pool: str, **env: str) -> subprocess.Popen:
-        """A worker that asks for scheduled runs every second (Prefect's default: every 10 s, which a test
-        whose pipeline sends seven stage runs to a pool would spend waiting)."""
-        return self._start(f"worker-{pool}", ["worker", "start", "--pool", pool],
-                           {**self.env, "PREFECT_WORKER_QUERY_SECONDS": "1", **env})
+    def worker(self, pool: str, *args: str, query_seconds: float = 1) -> subprocess.Popen:
+        """A worker on `pool` (with `prefect worker start` options `args`) that asks for scheduled runs
+        every `query_seconds` (Prefect's default: every 10 s, which a test whose pipeline sends seven stage
+        runs to a pool would spend waiting; each ask costs the worker and the server CPU time)."""
+        return self._start(f"worker-{pool}", ["worker", "start", "--pool", pool, *args],
+                           {**self.env, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds)})
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -99,10 +109,21 @@ def prefect_server(tmp_path: Path, home: Path) -> Iterator[Server]:
 
 
 def create_pools_and_deploy(server: Server) -> None:
-    """The pools prefect.yaml names (the Kubernetes one from the repository's base job template), then
-    `prefect deploy --all`."""
-    server.cli("work-pool", "create", "cpu", "--type", "process")
-    server.cli("work-pool", "create", "gpu", "--type", "process")
-    server.cli("work-pool", "create", "gpu-k8s", "--type", "kubernetes", "--base-job-template",
-               str(REPO / "deploy" / "k8s-gpu-base-job-template.json"))
+    """The pools prefect.yaml names, then `prefect --no-prompt deploy --all`. The pools are what `prefect
+    work-pool create NAME --type process` and `... gpu-k8s --type kubernetes --base-job-template
+    deploy/k8s-gpu-base-job-template.json` create (the process worker's default job template; the
+    repository's Kubernetes template, which the server validates), sent through the API from this process
+    instead of three CLI processes that each import Prefect."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessWorker
+
+    k8s = json.loads((REPO / "deploy" / "k8s-gpu-base-job-template.json").read_text())
+    pools = [WorkPoolCreate(name=name, type="process",
+                            base_job_template=ProcessWorker.get_default_base_job_template())
+             for name in ("cpu", "gpu")]
+    with temporary_settings({PREFECT_API_URL: server.url}), get_client(sync_client=True) as client:
+        for pool in [*pools, WorkPoolCreate(name="gpu-k8s", type="kubernetes", base_job_template=k8s)]:
+            client.create_work_pool(pool)
     server.cli("--no-prompt", "deploy", "--all")

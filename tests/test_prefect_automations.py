@@ -93,19 +93,16 @@ def test_automations_notify_retrain_on_new_data_and_crash_a_run_gone_silent(serv
 
 
 def _set_up_automations(server) -> None:
-    """`vlmexp prefect-setup` refuses an unknown block, creates, then updates by name; its zombie trigger at
-    the default heartbeat, then at 30 s."""
+    """`vlmexp prefect-setup` refuses an unknown block, creates (its zombie trigger at the default
+    heartbeat), then, run again with the heartbeat at 30 s, updates each automation by name (no duplicate)."""
     from prefect import get_client
 
     from flows.automations import FLOWS, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED, ZOMBIE
 
     assert "no such block" in _setup(server, "--notify", "custom-webhook/nope")
     assert f"created: {ZOMBIE}" in _setup(server, "--notify", "custom-webhook/hook")
-    # again: no duplicate
-    assert f"updated: {NOTIFY_PROMOTED}" in _setup(server, "--notify", "custom-webhook/hook")
     with get_client(sync_client=True) as client:
         automations = {a.name: a for a in client.read_automations()}
-        assert [a.name for a in client.read_automations()].count(ZOMBIE) == 1
     assert {ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED} <= set(automations)
     zombie = automations[ZOMBIE].trigger
     assert zombie.posture == "Proactive" and zombie.after == {"prefect.flow-run.heartbeat"}
@@ -114,10 +111,13 @@ def _set_up_automations(server) -> None:
     assert zombie.match_related["prefect.resource.name"] == FLOWS
     assert automations[ZOMBIE].actions[0].force is False  # a finished run is never turned into Crashed
 
-    assert f"updated: {ZOMBIE}" in _setup(server, "--notify", "custom-webhook/hook",
-                                          "--heartbeat-seconds", "30")
+    # again: each one updated by name, no duplicate
+    again = _setup(server, "--notify", "custom-webhook/hook", "--heartbeat-seconds", "30")
+    assert all(f"updated: {name}" in again for name in (ZOMBIE, NOTIFY_FAILED, NOTIFY_LOST, NOTIFY_PROMOTED))
     with get_client(sync_client=True) as client:
+        names = [a.name for a in client.read_automations()]
         (zombie,) = client.read_automations_by_name(ZOMBIE)
+    assert sorted(names) == sorted(automations)  # the same automations, none added
     assert zombie.trigger.within == timedelta(seconds=150)  # 3 x 30 s + 60
 
 

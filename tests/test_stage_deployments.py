@@ -4,7 +4,11 @@ the Kubernetes pool from the repository's template, the scheduled retraining's s
 deployment run 'vlm-pipeline/manual' --watch` with `pipeline.stage_deployments` set. The GRPO stage run's
 processes (its flow run and the training process under it) are SIGKILLed after its first checkpoint, as a
 preempted node would be; the train task's retry starts the stage deployment again, which resumes from that
-checkpoint."""
+checkpoint.
+
+The `cpu` worker is started with `--run-once` once the pipeline's run exists: it submits that run and stays
+until it ends, without asking the server for runs every second for the rest of the test. The `gpu` worker,
+which the pipeline sends seven stage runs, asks every few seconds."""
 
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from conftest import SMALL_BATCHES
 from prefect_server import BIN, REPO, create_pools_and_deploy, prefect_server
 
 pytestmark = pytest.mark.slow
-SAVE_STEPS, MAX_STEPS = 2, 8
+# the kill comes at checkpoint-2 and the retried run trains steps 3 and 4 (its last, and checkpoint-4): the
+# kill has the two steps up to checkpoint-4 to land in, as it would with more steps after them
+SAVE_STEPS, MAX_STEPS = 2, 4
 STAGES = "pipeline.stage_deployments={sft: vlm-stage/gpu, grpo: vlm-stage/gpu, eval: vlm-stage/gpu}"
 
 
@@ -40,6 +46,21 @@ def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subproces
             p.kill()
     psutil.wait_procs(procs, timeout=30)
     return commands
+
+
+def _wait_for_pipeline_run(url: str, watch: subprocess.Popen, seconds: float = 300) -> None:
+    """Until `prefect deployment run` has created the pipeline's run (a `--run-once` worker started before
+    that would find nothing to submit)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + seconds
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        while not client.read_flow_runs(deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=["manual"]))):
+            assert watch.poll() is None and time.monotonic() < deadline, "the pipeline's run was not created"
+            time.sleep(0.5)
 
 
 def _flow_runs(url: str) -> tuple[list, dict[str, str]]:
@@ -85,20 +106,22 @@ def test_deployments_run_on_their_pools_the_schedule_creates_runs_and_a_killed_s
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
+    # GRPO: one prompt and its 4 completions per step (the later overrides win over SMALL_BATCHES')
     params = {"config": "configs/demo.yaml", "overrides": [
-        f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0", "data.demo.train=16",
-        "data.demo.val=4", "sft.args.max_steps=2", f"grpo.args.max_steps={MAX_STEPS}",
+        *SMALL_BATCHES, f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0",
+        "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=1", f"grpo.args.max_steps={MAX_STEPS}",
         f"grpo.args.save_steps={SAVE_STEPS}",
         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
-        "grpo.args.max_completion_length=8", "eval.max_new_tokens=8", *SMALL_BATCHES]}
+        "grpo.args.max_completion_length=8", "eval.max_new_tokens=8"]}
     with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)
-        server.worker("cpu")
-        gpu = server.worker("gpu")
+        gpu = server.worker("gpu", query_seconds=3)
         watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
                                   "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
                                  env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
                                  stderr=subprocess.STDOUT)
+        _wait_for_pipeline_run(server.url, watch)
+        server.worker("cpu", "--run-once")
         killed = _kill_stage_run(gpu, out / "grpo" / f"checkpoint-{SAVE_STEPS}", watch)
         assert watch.wait(1600) == 0 and "Completed" in (tmp_path / "watch.log").read_text(), \
             (tmp_path / "watch.log").read_text()[-3000:]
