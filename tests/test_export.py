@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,20 +35,24 @@ def adapter(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-def test_export_merges_lora_reloads_and_generates(tmp_path, adapter):
+def test_export_merges_lora_reloads_and_generates(tmp_path, adapter, monkeypatch, capsys):
     import torch
     from peft import PeftModel
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
+    from vlmexp.cli import main
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
 
+    # the command line's own entry (parser, dispatch, exit status) in this process, which has torch, peft and
+    # transformers loaded already: a process of its own would import them again (tests/test_safety.py runs
+    # `vlmexp export` as a process)
+    monkeypatch.chdir(REPO)
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "export", str(adapter), "--config",
-                        "configs/demo.yaml", "--out", str(out), f"run.output_dir={tmp_path}"],
-                       capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code = main(["export", str(adapter), "--config", "configs/demo.yaml", "--out", str(out),
+                 f"run.output_dir={tmp_path}"])
+    assert code == 0, capsys.readouterr().err[-2000:]
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["merged_lora"] is True and manifest["source"] == str(adapter)
