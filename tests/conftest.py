@@ -176,6 +176,28 @@ def prefect_home(prefect_database, tmp_path, monkeypatch) -> Path:
     return home
 
 
+def _create_mlflow_store(folder: Path) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    folder.mkdir(parents=True)
+    SqlAlchemyStore(f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri())
+
+
+@pytest.fixture
+def mlflow_store(tmp_path_factory) -> Callable[[Path], Path]:
+    """`mlflow_store(output_dir)` puts a copy of an empty MLflow store, created once per test run, where a run
+    in `output_dir` keeps its store (mlflow.db): a test that logs to a store and reads it back skips MLflow's
+    migrations (2 s of CPU a store on the 2-core machine). The pipeline's tests have MLflow create theirs."""
+    template = shared(tmp_path_factory, "mlflow-store", _create_mlflow_store)
+
+    def place(output_dir: Path) -> Path:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(template / "mlflow.db", output_dir / "mlflow.db")
+        return output_dir
+
+    return place
+
+
 @contextlib.contextmanager
 def prefect_api(database: Path) -> Iterator[None]:
     """This process's flows against a server of their own (the pipeline's temporary server, as `vlmexp run`
