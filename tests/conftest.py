@@ -121,14 +121,38 @@ def demo_data(tmp_path_factory) -> Path:
                   lambda out: make_demo_data(out, train=24, val=8, seed=0, scenes=VARIED_SCENES))
 
 
+# What Prefect's server does to its database when it starts (prefect.server.api.server.create_app's lifespan):
+# every one of Prefect's migrations, then its block types registered. The same two steps without the server
+# around them (uvicorn, the API's import, its background services): 19 s of CPU against 26 s on the 2-core
+# machine. A server started on a copy registers any block type it knows beyond these (it does so at every
+# start on a database it has not seen); tests/test_cli.py's first `vlmexp run` on a new machine has the server
+# create the database itself.
+_PREFECT_DATABASE = """
+import asyncio
+
+from prefect.server.database import provide_database_interface
+from prefect.server.models.block_registration import run_block_auto_registration
+
+
+async def create():
+    db = provide_database_interface()
+    await db.create_db()
+    async with await db.session() as session:
+        await run_block_auto_registration(session=session)
+
+
+asyncio.run(create())
+"""
+
+
 def _create_prefect_database(home: Path) -> None:
-    """Prefect's database in `home`, created as a user's first `vlmexp run` creates it: its temporary server's
-    first start, which runs every one of Prefect's migrations (half a minute on an idle 2-core machine)."""
+    """Prefect's database in `home`, as a server's first start creates it: migrated to Prefect's newest
+    revision, its block types registered."""
     home.mkdir(parents=True)
-    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
-    subprocess.run([sys.executable, "-c", "from flows.temporary_server import temporary_server\n"
-                    "with temporary_server(): pass"], cwd=REPO, env=env, check=True, timeout=600)
+    env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)
+    subprocess.run([sys.executable, "-c", _PREFECT_DATABASE], cwd=REPO, env=env, check=True, timeout=600)
     import sqlite3
 
     with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:  # all of it in the one file
@@ -150,6 +174,28 @@ def prefect_home(prefect_database, tmp_path, monkeypatch) -> Path:
     shutil.copytree(prefect_database, home)
     monkeypatch.setenv("PREFECT_HOME", str(home))
     return home
+
+
+def _create_mlflow_store(folder: Path) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    folder.mkdir(parents=True)
+    SqlAlchemyStore(f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri())
+
+
+@pytest.fixture
+def mlflow_store(tmp_path_factory) -> Callable[[Path], Path]:
+    """`mlflow_store(output_dir)` puts a copy of an empty MLflow store, created once per test run, where a run
+    in `output_dir` keeps its store (mlflow.db): a test that logs to a store and reads it back skips MLflow's
+    migrations (2 s of CPU a store on the 2-core machine). The pipeline's tests have MLflow create theirs."""
+    template = shared(tmp_path_factory, "mlflow-store", _create_mlflow_store)
+
+    def place(output_dir: Path) -> Path:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(template / "mlflow.db", output_dir / "mlflow.db")
+        return output_dir
+
+    return place
 
 
 @contextlib.contextmanager

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,20 +35,24 @@ def adapter(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-def test_export_merges_lora_reloads_and_generates(tmp_path, adapter):
+def test_export_merges_lora_reloads_and_generates(tmp_path, adapter, monkeypatch, capsys):
     import torch
     from peft import PeftModel
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
+    from vlmexp.cli import main
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
 
+    # the command line's own entry (parser, dispatch, exit status) in this process, which has torch, peft and
+    # transformers loaded already: a process of its own would import them again (tests/test_safety.py runs
+    # `vlmexp export` as a process)
+    monkeypatch.chdir(REPO)
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "export", str(adapter), "--config",
-                        "configs/demo.yaml", "--out", str(out), f"run.output_dir={tmp_path}"],
-                       capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code = main(["export", str(adapter), "--config", "configs/demo.yaml", "--out", str(out),
+                 f"run.output_dir={tmp_path}"])
+    assert code == 0, capsys.readouterr().err[-2000:]
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["merged_lora"] is True and manifest["source"] == str(adapter)
@@ -91,10 +93,11 @@ def test_export_keeps_the_adapter_when_merge_is_off(tmp_path, adapter):
     ("maximize", [0.30, 0.20, 0.30, 0.45], ["1", "1", "1", "4"]),
     ("minimize", [0.30, 0.40, 0.10, None], ["1", "1", "3", "3"]),
 ])
-def test_registry_promotes_only_a_better_model(tmp_path, tiny_models, direction, values, champions):
+def test_registry_promotes_only_a_better_model(tmp_path, mlflow_store, tiny_models, direction, values,
+                                               champions):
     from mlflow.tracking import MlflowClient
 
-    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={mlflow_store(tmp_path)}"])
     tracker = make_tracker(cfg)
     decisions = []
     for value in values:
@@ -115,11 +118,11 @@ def test_registry_promotes_only_a_better_model(tmp_path, tiny_models, direction,
     assert versions["1"].tags["metric.rec_mean_iou"] == "0.3"
 
 
-def test_registered_champion_downloads_and_loads(tmp_path, tiny_models, monkeypatch):
+def test_registered_champion_downloads_and_loads(tmp_path, mlflow_store, tiny_models, monkeypatch):
     import mlflow
     from transformers import AutoModelForImageTextToText
 
-    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={mlflow_store(tmp_path)}"])
     tracker = make_tracker(cfg)
     run = tracker.start_pipeline("p", {}, {})
     register_and_promote(tracker, run, tiny_models["qwen2_5_vl"], "demo-model", "rec_mean_iou", 0.5,
@@ -152,7 +155,8 @@ def test_registration_copies_small_exports_and_references_large_ones(tmp_path):
                  "export.reference_uri=s3://bucket/m")]["reference_uri"] == "s3://bucket/m"
 
 
-def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, tiny_models, monkeypatch):
+def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, mlflow_store, tiny_models,
+                                                                   monkeypatch):
     """A large export (here: any, with the threshold at 0) is registered by reference: its manifest says so,
     the version points at a snapshot of hard links (not one byte copied) that the next export into the same
     folder leaves as it was, the logged model holds no weights, and the champion downloads and loads from it.
@@ -166,7 +170,8 @@ def test_register_by_reference_points_at_the_files_and_copies_none(tmp_path, tin
     from vlmexp.errors import ConfigError
     from vlmexp.export import export_model
 
-    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "export.copy_max_gib=1e-9"])
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={mlflow_store(tmp_path)}",
+                                                   "export.copy_max_gib=1e-9"])
     out = export_model(cfg, str(tiny_models["qwen2_5_vl"]), tmp_path / "export", {})
     plan = json.loads((out / "manifest.json").read_text())["registration"]
     assert plan["mode"] == "reference" and plan["size_bytes"] > (out / "model.safetensors").stat().st_size

@@ -54,15 +54,17 @@ def _evaluations(tmp_path: Path, records, completions: dict[str, list[str]], fam
     return out
 
 
-def _logged(tmp_path: Path, evaluations, pictures: int = 16):
-    """(client, eval run id, parent run id) after the evaluation report logged to a fresh sqlite store."""
+def _logged(tmp_path: Path, store, evaluations, pictures: int = 16):
+    """(client, eval run id, parent run id) after the evaluation report logged to a fresh sqlite store
+    (conftest's `mlflow_store`)."""
     from mlflow.tracking import MlflowClient
 
     from vlmexp.config.loader import load_config
     from vlmexp.pipeline.report import log_evaluation_run
     from vlmexp.tracking.tracker import make_tracker
 
-    cfg = load_config(Path(__file__).parents[1] / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'run'}"],
+    cfg = load_config(Path(__file__).parents[1] / "configs/demo.yaml",
+                      [f"run.output_dir={store(tmp_path / 'run')}"],
                       check_paths=False)
     tracker = make_tracker(cfg)
     parent = tracker.start_pipeline("demo-pipeline", {}, {})
@@ -90,7 +92,7 @@ def _on_edges(picture: Image.Image, box, scale: float, colour) -> None:
 
 
 @pytest.mark.parametrize("family_name", ["qwen2_vl", "qwen2_5_vl", "internvl"])
-def test_evaluation_pictures_put_each_box_on_its_original_pixels(tmp_path, family_name):
+def test_evaluation_pictures_put_each_box_on_its_original_pixels(tmp_path, mlflow_store, family_name):
     from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
 
     family, budget = _family(family_name)
@@ -100,7 +102,8 @@ def test_evaluation_pictures_put_each_box_on_its_original_pixels(tmp_path, famil
     records = _records(tmp_path, [rec, {**rec, "image": "small.png", "solution": [10, 10, 50, 50]}])
     completions = {name: [_answer(box, family, budget), "<think>x</think><answer>no box</answer>"]
                    for name, box in ANSWERS.items()}
-    client, run_id, parent = _logged(tmp_path, _evaluations(tmp_path, records, completions, family, budget))
+    evaluations = _evaluations(tmp_path, records, completions, family, budget)
+    client, run_id, parent = _logged(tmp_path, mlflow_store, evaluations)
 
     files = {a.path: a.file_size for a in client.list_artifacts(run_id, "evaluation/pictures")}
     assert set(files) == {"evaluation/pictures/record_000.png", "evaluation/pictures/record_001.png",
@@ -127,7 +130,7 @@ def test_evaluation_pictures_put_each_box_on_its_original_pixels(tmp_path, famil
     assert rows[1]["boxes"] == [] and rows[1]["score"] == 0.0
 
 
-def test_detection_pictures_draw_every_box_and_text_tasks_their_answers(tmp_path):
+def test_detection_pictures_draw_every_box_and_text_tasks_their_answers(tmp_path, mlflow_store):
     from vlmexp.pictures import COLOURS, MAX_SIDE, PANEL
 
     family, budget = _family("qwen2_vl")
@@ -143,7 +146,8 @@ def test_detection_pictures_draw_every_box_and_text_tasks_their_answers(tmp_path
     records = _records(tmp_path, [det, math])
     texts = {"grpo": [f"<think>x</think><answer>```json {json.dumps(said)}```</answer>",
                       "<think>x</think><answer>5</answer>"]}
-    client, run_id, _ = _logged(tmp_path, _evaluations(tmp_path, records, texts, family, budget))
+    evaluations = _evaluations(tmp_path, records, texts, family, budget)
+    client, run_id, _ = _logged(tmp_path, mlflow_store, evaluations)
 
     side = MAX_SIDE - PANEL
     picture = _download(client, run_id, "evaluation/pictures/record_000.png", tmp_path / "dl")
@@ -158,12 +162,12 @@ def test_detection_pictures_draw_every_box_and_text_tasks_their_answers(tmp_path
     assert COLOURS["grpo"][1] in panel and (0, 0, 0) in panel  # the verdict in the model's colour, the answer
 
 
-def test_no_pictures_when_switched_off(tmp_path):
+def test_no_pictures_when_switched_off(tmp_path, mlflow_store):
     family, budget = _family("qwen2_vl")
     make_png(tmp_path / "wide.png", size=(WIDTH, HEIGHT))
     records = _records(tmp_path, [{"image": "wide.png", "problem": "p", "solution": TRUTH, "task": "rec"}])
     evaluations = _evaluations(tmp_path, records, {"grpo": [_answer(TRUTH, family, budget)]}, family, budget)
-    client, run_id, _ = _logged(tmp_path, evaluations, pictures=0)
+    client, run_id, _ = _logged(tmp_path, mlflow_store, evaluations, pictures=0)
     assert client.list_artifacts(run_id, "evaluation/pictures") == []
 
 

@@ -116,8 +116,8 @@ def test_tracking_off_is_a_null_tracker_and_an_unusable_store_fails_with_the_fix
         make_tracker(cfg)
 
 
-def test_secret_named_params_never_reach_mlflow(tmp_path):
-    cfg = load_config(DEMO, [f"run.output_dir={tmp_path}"])
+def test_secret_named_params_never_reach_mlflow(tmp_path, mlflow_store):
+    cfg = load_config(DEMO, [f"run.output_dir={mlflow_store(tmp_path)}"])
     tracker = make_tracker(cfg)
     run = tracker.start_pipeline("p", {"config.model.path": "x", "env.HF_TOKEN": "hf_planted",
                                        "config.api_key": "k"}, {})
