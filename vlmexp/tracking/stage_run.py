@@ -91,9 +91,9 @@ def close_stage_run(run: StageRun | None, status: str) -> None:
 
 
 def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
-    """The highest training step of any metric already in MLflow run `run_id` (0 when none or no run). MLflow's
-    system metrics (`system/...`) are left out: their step counts samples (one every few seconds), not
-    training steps, and a slow run's count passes the training steps it logged."""
+    """The highest training step of any metric already in MLflow run `run_id` (0 when none or no run).
+    MLflow's system metrics (`system/...`) are left out: their step counts samples (one every few seconds),
+    not training steps, and a slow run's count passes the training steps it logged."""
     if not tracking_uri or not run_id:
         return 0
     from mlflow.tracking import MlflowClient
