@@ -198,6 +198,28 @@ def mlflow_store(tmp_path_factory) -> Callable[[Path], Path]:
     return place
 
 
+@pytest.fixture
+def vlmexp_main(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
+    """`vlmexp_main(*args, cwd=REPO, **env)`: the `vlmexp` command's own `main` (the parser, the dispatch, the
+    exit status `entry()` exits with) in this test's process, from `cwd` with `env` set; its exit status,
+    stdout and stderr. For a test whose claim is what a command does rather than the command line itself: a
+    process of its own would import TRL again for the config check, some ten seconds a command on a 2-core
+    machine."""
+    from vlmexp.cli import main
+
+    def run(*args, cwd: Path = REPO, **env) -> tuple[int, str, str]:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.chdir(cwd)
+            for name, value in env.items():
+                m.setenv(name, str(value))
+            rc = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
 @contextlib.contextmanager
 def prefect_api(database: Path) -> Iterator[None]:
     """This process's flows against a server of their own (the pipeline's temporary server, as `vlmexp run`

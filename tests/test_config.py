@@ -221,28 +221,19 @@ def test_dump_and_reload_round_trip(tmp_path):
 
 
 @pytest.mark.slow  # runs the command line in a subprocess
-def test_validate_cli_exit_codes(capsys, monkeypatch):
+def test_validate_cli_exit_codes(vlmexp_main):
     """`vlmexp validate` exits 0 on a good config and 2 on a bad one: the command line in a process of its own
     for a refusal, the command's `main` (whose return is the exit status) in this process for the rest."""
-    from vlmexp.cli import main
-
     bad = subprocess.run([sys.executable, "-m", "vlmexp.cli", "validate", str(REPO / "configs/demo.yaml"),
                           "grpo.args.num_generations=3"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "divisible by num_generations" in bad.stderr
 
-    monkeypatch.chdir(REPO)  # where the command above ran
-
-    def validate(*args: str) -> tuple[int, str]:
-        capsys.readouterr()
-        rc = main(["validate", *args])
-        return rc, capsys.readouterr().err
-
-    ok = validate(str(REPO / "configs/demo.yaml"))
-    assert ok[0] == 0, ok[1]
-    paths = validate(str(REPO / "configs/qwen2_5_vl_3b_rec.yaml"))
-    assert paths[0] == 2 and "file not found" in paths[1]
-    schema = validate("--no-check-paths", str(REPO / "configs/qwen2_5_vl_3b_rec.yaml"))
-    assert schema[0] == 0, schema[1]
+    ok = vlmexp_main("validate", REPO / "configs/demo.yaml")  # from REPO, where the command above ran
+    assert ok[0] == 0, ok[2]
+    paths = vlmexp_main("validate", REPO / "configs/qwen2_5_vl_3b_rec.yaml")
+    assert paths[0] == 2 and "file not found" in paths[2]
+    schema = vlmexp_main("validate", "--no-check-paths", REPO / "configs/qwen2_5_vl_3b_rec.yaml")
+    assert schema[0] == 0, schema[2]
 
 
 def test_docs_config_reference_is_current():

@@ -35,24 +35,22 @@ def adapter(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-def test_export_merges_lora_reloads_and_generates(tmp_path, adapter, monkeypatch, capsys):
+def test_export_merges_lora_reloads_and_generates(tmp_path, adapter, vlmexp_main):
     import torch
     from peft import PeftModel
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from vlmexp.cli import main
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
 
     # the command line's own entry (parser, dispatch, exit status) in this process, which has torch, peft and
     # transformers loaded already: a process of its own would import them again (tests/test_safety.py runs
     # `vlmexp export` as a process)
-    monkeypatch.chdir(REPO)
     out = tmp_path / "export"
-    code = main(["export", str(adapter), "--config", "configs/demo.yaml", "--out", str(out),
-                 f"run.output_dir={tmp_path}"])
-    assert code == 0, capsys.readouterr().err[-2000:]
+    code, _, err = vlmexp_main("export", adapter, "--config", "configs/demo.yaml", "--out", out,
+                               f"run.output_dir={tmp_path}")
+    assert code == 0, err[-2000:]
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["merged_lora"] is True and manifest["source"] == str(adapter)

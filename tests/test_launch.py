@@ -25,46 +25,41 @@ def vlmexp(*args, env=None):
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "tests"), **(env or {})})
 
 
-def dry_run(stage, *overrides):
+def dry_run(vlmexp_main, stage, *overrides):
     """What `vlmexp train STAGE --config DEMO --dry-run OVERRIDES` prints, from the command's own `main` in
     this process (a process per command would import TRL again for each, to print one line)."""
-    import contextlib
-    import io
-
-    from vlmexp.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["train", stage, "--config", DEMO, "--dry-run", *overrides])
-    assert rc == 0, err.getvalue()
-    return out.getvalue().strip()
+    rc, out, err = vlmexp_main("train", stage, "--config", DEMO, "--dry-run", *overrides)
+    assert rc == 0, err
+    return out.strip()
 
 
 @pytest.mark.slow  # runs the command line in a subprocess
-def test_dry_run_prints_the_exact_command_for_each_launcher():
+def test_dry_run_prints_the_exact_command_for_each_launcher(vlmexp_main):
     """The command line itself once (a process of its own), then each launcher's command from `main`."""
     r = vlmexp("train", "sft", "--config", DEMO, "--dry-run")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process"
-    assert dry_run("sft") == f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process"
-    assert dry_run("sft", "--checked") == (
+    assert dry_run(vlmexp_main, "sft") == (
+        f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process")
+    assert dry_run(vlmexp_main, "sft", "--checked") == (
         f"{sys.executable} -m vlmexp.cli train sft --config {DEMO} --in-process --checked")
-    assert dry_run("grpo", "launch.launcher=torchrun", "launch.nproc_per_node=8") == (
+    assert dry_run(vlmexp_main, "grpo", "launch.launcher=torchrun", "launch.nproc_per_node=8") == (
         f"{BIN}/torchrun --nproc_per_node=8 --nnodes=1 --standalone -m vlmexp.cli train grpo --config {DEMO} "
         "--in-process launch.launcher=torchrun launch.nproc_per_node=8")
     node1 = ["launch.launcher=torchrun", "launch.nproc_per_node=8", "launch.nnodes=2", "launch.node_rank=1",
              "launch.rdzv_endpoint=10.1.2.3:29500"]
-    assert dry_run("grpo", *node1).startswith(
+    assert dry_run(vlmexp_main, "grpo", *node1).startswith(
         f"{BIN}/torchrun --nproc_per_node=8 --nnodes=2 --node_rank=1 --rdzv_backend=c10d "
         "--rdzv_endpoint=10.1.2.3:29500 --rdzv_id=demo -m vlmexp.cli train grpo")
-    acc = dry_run("sft", "launch.launcher=accelerate",
+    acc = dry_run(vlmexp_main, "sft", "launch.launcher=accelerate",
                   "launch.accelerate_config=configs/accelerate/multi_gpu.yaml", "launch.nproc_per_node=4",
                   "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500")
     assert acc.startswith(f"{BIN}/accelerate launch --config_file configs/accelerate/multi_gpu.yaml "
                           "--num_processes=8 --num_machines=2 --machine_rank=0 --main_process_ip=node0 "
                           "--main_process_port=29500 -m vlmexp.cli train sft")
-    ds = dry_run("grpo", "launch.launcher=deepspeed", "launch.nproc_per_node=8", "launch.nnodes=2",
-                 "launch.hostfile=hostfile", "launch.deepspeed=configs/deepspeed/zero3.json")
+    ds = dry_run(vlmexp_main, "grpo", "launch.launcher=deepspeed", "launch.nproc_per_node=8",
+                 "launch.nnodes=2", "launch.hostfile=hostfile",
+                 "launch.deepspeed=configs/deepspeed/zero3.json")
     assert ds.startswith(f"{BIN}/deepspeed --hostfile=hostfile --num_nodes=2 --num_gpus=8 --module "
                          "vlmexp.cli train grpo")
 

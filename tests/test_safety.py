@@ -50,24 +50,9 @@ def _vlmexp(*args, cwd: Path, home: Path):
                           text=True, cwd=cwd, env=env, timeout=300)
 
 
-def _vlmexp_here(*args, cwd: Path, home: Path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """What `_vlmexp` runs, in this process: the command's own `main` (whose return is the command's exit
-    status) from `cwd` with `home` as HOME; its exit status, stdout and stderr. A new process per case would
-    import TRL again for the config check, some ten seconds each, to show the same refusal."""
-    from vlmexp.cli import main
-
-    capsys.readouterr()
-    with monkeypatch.context() as m:
-        m.chdir(cwd)
-        m.setenv("HOME", str(home))
-        rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 @pytest.mark.parametrize("out", [".", "notes", "link", "hidden", "data", "data/images", "..", "~"])
 def test_export_refuses_a_folder_of_the_users_and_leaves_it_byte_identical(tmp_path, tiny_models, out,
-                                                                          monkeypatch, capsys):
+                                                                          vlmexp_main):
     user = _user_world(tmp_path / "home")
     config = user / "c.yaml"
     config.write_text(f"run:\n  output_dir: {tmp_path / 'run'}\nmodel:\n  path: {tiny_models['qwen2_5_vl']}\n"
@@ -75,16 +60,14 @@ def test_export_refuses_a_folder_of_the_users_and_leaves_it_byte_identical(tmp_p
                       f"    - {{json_path: {user / 'data/train.json'}, "
                       f"image_root: {user / 'data/images'}}}\n")
     before = _snapshot(user)
-    rc, stdout, stderr = _vlmexp_here("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out,
-                                      cwd=user / "notes" if out == ".." else user, home=user,
-                                      monkeypatch=monkeypatch, capsys=capsys)
+    rc, stdout, stderr = vlmexp_main("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out,
+                                     cwd=user / "notes" if out == ".." else user, HOME=user)
     assert rc == 2, (stdout, stderr)
     assert "--out" in stderr and ("choose" in stderr) and "Traceback" not in stderr, stderr
     assert _snapshot(user) == before
 
 
-def test_export_into_an_empty_or_new_folder_and_again_into_its_own(tmp_path, tiny_models, monkeypatch,
-                                                                   capsys):
+def test_export_into_an_empty_or_new_folder_and_again_into_its_own(tmp_path, tiny_models, vlmexp_main):
     """The first export runs the command line in a process of its own (its exit status is the process's), the
     two after it the command's `main` in this one."""
     user = _user_world(tmp_path / "home")
@@ -97,14 +80,14 @@ def test_export_into_an_empty_or_new_folder_and_again_into_its_own(tmp_path, tin
     assert r.returncode == 0, r.stderr
     assert (user / "empty" / "manifest.json").is_file()
     for out in ("models/new", "models/new"):  # the second replaces the folder the first made
-        rc, _, stderr = _vlmexp_here("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out,
-                                     cwd=user, home=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+        rc, _, stderr = vlmexp_main("export", tiny_models["qwen2_5_vl"], "--config", config, "--out", out,
+                                    cwd=user, HOME=tmp_path)
         assert rc == 0, stderr
         assert (user / out / "manifest.json").is_file()
     assert {k: v for k, v in _snapshot(user).items() if k.split("/")[0] not in ("empty", "models")} == before
 
 
-def test_a_stage_folder_of_the_users_is_refused_before_any_work(tmp_path, tiny_models, monkeypatch, capsys):
+def test_a_stage_folder_of_the_users_is_refused_before_any_work(tmp_path, tiny_models, vlmexp_main):
     out = tmp_path / "out"
     (out / "sft").mkdir(parents=True)
     (out / "sft" / "mine.txt").write_text("not vlmexp's")
@@ -112,8 +95,7 @@ def test_a_stage_folder_of_the_users_is_refused_before_any_work(tmp_path, tiny_m
     config.write_text(f"run:\n  output_dir: {out}\nmodel:\n  path: {tiny_models['qwen2_5_vl']}\n"
                       "tracking:\n  backend: none\ndata:\n  demo: {train: 4, val: 2}\ngrpo:\n"
                       "  enabled: false\n")
-    rc, _, stderr = _vlmexp_here("validate", config, cwd=tmp_path, home=tmp_path, monkeypatch=monkeypatch,
-                                 capsys=capsys)
+    rc, _, stderr = vlmexp_main("validate", config, cwd=tmp_path, HOME=tmp_path)
     assert rc == 2 and f"{out / 'sft'} holds files that no vlmexp stage wrote" in stderr, stderr
     assert (out / "sft" / "mine.txt").read_text() == "not vlmexp's"
 
