@@ -20,13 +20,12 @@ import pytest
 from tests.conftest import SMALL_BATCHES, as_a_terminal_job
 
 REPO = Path(__file__).resolve().parents[1]
-# SFT then GRPO, nothing after them: the stop comes in SFT, the resume runs the two stages to the end. The
-# stop is sent once SFT's checkpoint-2 is complete and lands within a second (tenths of one on an idle
-# machine); the 10 steps and 5 saves left after it (5-15 s on a loaded 2-core machine) keep it in SFT, and
-# are all the SFT that the resume trains
+# SFT alone: the stop comes in SFT, the resume trains it to the end (a stage after a resumed one, the export
+# after a resumed GRPO, is tests/test_faults.py's). The stop is sent once SFT's checkpoint-2 is complete
+# and lands within a second (tenths of one on an idle machine); the 10 steps and 5 saves left after it (5-15 s
+# on a loaded 2-core machine) keep it in SFT, and are all the SFT that the resume trains
 SMALL_RUN = ["data.demo.train=32", "data.demo.val=8", "sft.args.max_steps=12", "sft.args.save_steps=2",
-             "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.args.max_steps=2",
-             "grpo.args.num_generations=4", "grpo.args.max_completion_length=12", "eval.enabled=false",
+             "sft.args.logging_steps=1", *SMALL_BATCHES, "grpo.enabled=false", "eval.enabled=false",
              "export.enabled=false", "pipeline.retry_delay_seconds=1"]
 LAUNCHERS = {"torchrun": ["launch.launcher=torchrun", "launch.nproc_per_node=2"],
              "local": ["launch.launcher=local"]}
@@ -144,10 +143,12 @@ def _stop(run: Run, proc: subprocess.Popen, sig: int, to_group: bool, second_aft
 
 
 # (launcher, signal, to the whole process group, resumed after): the resume is checked under torchrun (2
-# processes, the harder case); the local launcher's resume after a killed run is tests/test_faults.py's
+# processes, the harder case); the local launcher's resume after a killed run is tests/test_faults.py's. A
+# signal to the main process alone (`kill PID`, Kubernetes' SIGTERM to PID 1) is passed on by the same code
+# whatever the launcher and signal: it is checked once, under torchrun, where it has the most to reach
 STOPS = [("torchrun", signal.SIGINT, True, True), ("torchrun", signal.SIGTERM, False, False),
          ("torchrun", signal.SIGTERM, True, False), ("local", signal.SIGINT, True, False),
-         ("local", signal.SIGINT, False, False), ("local", signal.SIGHUP, True, False)]
+         ("local", signal.SIGHUP, True, False)]
 STARTS = re.compile(r"- running .*-m vlmexp\.cli train sft")  # the pipeline's line for each start of SFT
 NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
@@ -183,7 +184,7 @@ def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, pre
     assert second.wait(timeout=900) == 0, run.text()[-3000:]
     again = run.text()
     assert f"(resume: {run.out / 'sft' / 'checkpoint-'}" in again, again[-3000:]
-    assert (run.out / "sft" / "final").is_dir() and (run.out / "grpo" / "final").is_dir()
+    assert (run.out / "sft" / "final" / "model.safetensors").is_file()
     assert sorted(state for _, state, _ in run.flow_runs()) == ["CANCELLED", "COMPLETED"]
 
 

@@ -107,7 +107,32 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
                     report_to=["mlflow"] if cfg.tracking.backend == "mlflow" else [], **stage_args)
     if cfg.launch.deepspeed:
         pipeline["deepspeed"] = cfg.launch.deepspeed
+        no_shared_memory_op_on_cpu()
     return build_trl_config(inputs.stage, inputs.stage_cfg.args, str(inputs.stage_dir), **pipeline)
+
+
+def no_shared_memory_op_on_cpu() -> None:
+    """On a CPU-only machine, keep DeepSpeed from compiling its shared-memory all-reduce op.
+
+    DeepSpeed's communication backend JIT-builds `deepspeed_shm_comm` whenever it starts on its CPU
+    accelerator: one to two minutes of g++ in every new environment, before the first step. Only DeepSpeed's
+    `inference_all_reduce` (tensor-parallel layers) calls the op, and without it that call all-reduces
+    through torch.distributed, the same sum; ZeRO's training all-reduces through torch.distributed either
+    way. Marked not compatible here (DeepSpeed's own table, which `build_shm_op` reads), it is not built.
+    A machine with a GPU is left as it is."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    log.info("DeepSpeed on CPU: its shared-memory all-reduce op (tensor-parallel inference only) "
+             "is not built")
 
 
 def load_model(inputs: StageInputs):
