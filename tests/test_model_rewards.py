@@ -237,7 +237,7 @@ def test_llm_records_are_kept_for_a_judge_and_scored_by_it(tmp_path):
         yaml.safe_dump({"datasets": [{"json_path": str(llm_data(tmp_path))}]}))
     run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"),
                           "--judged", "--out", str(tmp_path / "s.jsonl")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     llm, exact = read_sampled(tmp_path / "s.jsonl")
     assert (llm.task, llm.method, exact.method) == ("exact", "llm", "default")
@@ -253,7 +253,7 @@ def test_vlmexp_score_with_a_judge_from_the_config(tmp_path):
                              for r, c in zip(lines, ["<answer>a card</answer>", "<answer>red</answer>"])))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "vlmexp.cli", "score", str(preds), "--family", "qwen2_5_vl"]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert refused.returncode != 0 and "scored by a judge model" in refused.stderr + refused.stdout
     assert "pass --config with that judge" in refused.stderr + refused.stdout
     with JudgeServer() as server:
@@ -264,7 +264,7 @@ def test_vlmexp_score_with_a_judge_from_the_config(tmp_path):
                                                                                  "endpoint": server.url}}]}}))
         run = subprocess.run([*command, "--config", str(config), "--per-sample",
                               str(tmp_path / "rows.jsonl")],
-                             capture_output=True, text=True, timeout=120, env=env)
+                             capture_output=True, text=True, timeout=600, env=env)
         assert run.returncode == 0, run.stderr
         questions = [r["body"]["messages"][-1]["content"] for r in server.requests]
     metrics = json.loads(run.stdout)

@@ -281,7 +281,7 @@ def test_sample_refuses_llm_without_a_judge_and_unknown_methods_naming_the_recor
         yaml.safe_dump({"datasets": [{"json_path": str(tmp_path / "d.jsonl")}]}))
     run = subprocess.run([sys.executable, "-m", "vlmexp.cli", "sample", str(tmp_path / "data.yaml"), "--out",
                           str(tmp_path / "out" / "s.jsonl")],
-                         capture_output=True, text=True, timeout=120, check=False)
+                         capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode != 0
     err = run.stderr + run.stdout
     assert "d.jsonl:2" in err and "accu_reward_method 'llm' is scored by a judge model" in err, err
