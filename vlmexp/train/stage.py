@@ -119,11 +119,7 @@ def no_shared_memory_op_on_cpu() -> None:
     `inference_all_reduce` (tensor-parallel layers) calls the op, and without it that call all-reduces
     through torch.distributed, the same sum; ZeRO's training all-reduces through torch.distributed either
     way. Marked not compatible here (DeepSpeed's own table, which `build_shm_op` reads), it is not built.
-    A machine with a GPU is left as it is."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
+    Any other accelerator (a GPU's) is left as it is."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
