@@ -7,9 +7,10 @@ PIP     = $(VENV)/bin/pip
 # pytest-xdist processes on the 2-core machines CI and the developers run on: one more than the cores, since
 # the minutes-long tests wait much of their time (on Prefect servers and workers, on automations' windows);
 # each process computes with one thread (tests/conftest.py). From a fresh clone, the whole suite: 2 processes
-# 1,739 s, 3 processes 1,477 s, 4 processes 1,539 s. Work stealing keeps every process busy to the end.
+# 1,739 s, 3 processes 1,477 s, 4 processes 1,539 s. Whole modules go to whichever process is free, the
+# longest first (tests/conftest.py MODULE_SECONDS), so the processes end together.
 TEST_WORKERS ?= 3
-PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 
@@ -18,11 +19,16 @@ TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 $(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(if $(HAS_GPU),,$(PIP) install -q torch==2.13.0 $(TORCH_PIN))
-	$(PIP) install -q -c constraints.txt $(TORCH_PIN) -e '.[test,k8s]'
+	$(if $(HAS_GPU),,$(PIP) install -q --no-compile torch==2.13.0 $(TORCH_PIN))
+	$(PIP) install -q --no-compile -c constraints.txt $(TORCH_PIN) -e '.[test,k8s]'
 	# DeepSpeed from its sdist without compiling ops (JIT-built on a GPU box when first used);
 	# without build isolation so it builds against the torch installed above.
-	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation -c constraints.txt $(TORCH_PIN) deepspeed
+	DS_BUILD_OPS=0 $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt $(TORCH_PIN) deepspeed
+	# The bytecode pip writes one file at a time (--no-compile above), written on every core: the install took
+	# 136 s instead of 165 s on the 2-core machine. As with pip, a file this Python cannot compile (a newer
+	# Python's syntax, in packages' tests and backports) is left without bytecode: importing it fails alike.
+	$(VENV)/bin/python -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" \
+	  $(VENV)/lib
 	touch $@
 
 install: $(VENV)/.installed
@@ -39,7 +45,9 @@ chromium:
 demo: install
 	$(VENV)/bin/vlmexp run configs/demo.yaml
 
-test: install chromium
+# the two installs side by side (Chromium's comes from the system's packages, the rest from pip)
+test:
+	$(MAKE) --no-print-directory -j2 install chromium
 	$(PYTEST) --durations=15
 
 # The inner loop: every test not marked slow (those that train or start servers).
