@@ -6,9 +6,10 @@ PYTHON ?= python3
 PIP     = $(VENV)/bin/pip
 # pytest-xdist processes on the 2-core machines CI and the developers run on: one more than the cores, since
 # the minutes-long tests wait much of their time (on Prefect servers and workers, on automations' windows);
-# each process computes with one thread (tests/conftest.py). From a fresh clone, the whole suite: 2 processes
-# 1,739 s, 3 processes 1,477 s, 4 processes 1,539 s. Whole modules go to whichever process is free, the
-# longest first (tests/conftest.py MODULE_SECONDS), so the processes end together.
+# each process computes with one thread (tests/conftest.py). From a fresh clone, the whole suite (handed out
+# by work stealing then): 2 processes 1,739 s, 3 processes 1,477 s, 4 processes 1,539 s. Whole modules go
+# to whichever process is free, the longest first (tests/conftest.py MODULE_SECONDS): the processes end
+# together.
 TEST_WORKERS ?= 3
 PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -24,8 +25,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
 	# DeepSpeed from its sdist without compiling ops (JIT-built on a GPU box when first used);
 	# without build isolation so it builds against the torch installed above.
 	DS_BUILD_OPS=0 $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt $(TORCH_PIN) deepspeed
-	# The bytecode pip writes one file at a time (--no-compile above), written on every core: the install took
-	# 136 s instead of 165 s on the 2-core machine. As with pip, a file this Python cannot compile (a newer
+	# Bytecode on every core, not one file at a time as pip writes it (hence --no-compile above): the install
+	# took 136 s instead of 165 s on the 2-core machine. As with pip, a file this Python cannot compile (a newer
 	# Python's syntax, in packages' tests and backports) is left without bytecode: importing it fails alike.
 	$(VENV)/bin/python -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" \
 	  $(VENV)/lib

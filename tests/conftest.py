@@ -78,11 +78,10 @@ MODULE_SECONDS = {
     "test_stage_deployments": 299, "test_demo_learns": 283, "test_prefect_automations": 238,
     "test_validation": 176, "test_flow": 173, "test_model_rewards": 133, "test_dpo": 101,
     "test_launch": 98, "test_hostile_inputs": 80, "test_mlflow_ui": 69, "test_stop": 63,
-    "test_train_modes": 58, "test_train": 56,
-    "test_shapes": 51, "test_grpo_mixed_sizes": 46, "test_pictures": 46, "test_generation": 45,
-    "test_config": 35, "test_difficulty": 35, "test_safety": 26, "test_source_columns": 25,
-    "test_pipeline_lib": 21, "test_internvl": 21, "test_anchor_formats": 17, "test_export": 17,
-    "test_data_sources": 14, "test_fuzz_inputs": 10,
+    "test_train_modes": 58, "test_train": 56, "test_shapes": 51, "test_grpo_mixed_sizes": 46,
+    "test_pictures": 46, "test_generation": 45, "test_config": 35, "test_difficulty": 35,
+    "test_safety": 26, "test_source_columns": 25, "test_pipeline_lib": 21, "test_internvl": 21,
+    "test_anchor_formats": 17, "test_export": 17, "test_data_sources": 14, "test_fuzz_inputs": 10,
 }
 
 
@@ -92,7 +91,8 @@ def pytest_collection_modifyitems(config, items):
     loadfile`, so a module's fixtures are built once) in this order to whichever test process is free: the
     longest start at once and every process ends on short ones at about the same time (list scheduling,
     longest first). In the collection order, with work stealing, two minutes-long tests were left to the end
-    and ran in one process for the suite's last 160 s while the other two had nothing to do."""
+    and ran in one process for a run's last 160 s (a run sharing the machine with an install) while the
+    other two had nothing to do."""
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
 
     def weight(item) -> tuple[int, bool]:
