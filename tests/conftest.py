@@ -222,6 +222,20 @@ def mlflow_store(tmp_path_factory) -> Callable[[Path], Path]:
 
 
 @pytest.fixture
+def run_inputs(tiny_models, mlflow_store) -> Callable[[Path], list[str]]:
+    """`run_inputs(output_dir)`: the overrides and files that spare a `vlmexp run` on the demo config the
+    model build and MLflow's migrations (6 s of CPU a run on the 2-core machine) where the test's claim is not
+    about them: the shared tiny model as model.path, and a copy of an empty MLflow store in `output_dir`.
+    tests/test_cli.py's first run and `make demo` build both themselves."""
+
+    def place(output_dir: Path) -> list[str]:
+        mlflow_store(output_dir)
+        return [f"model.path={tiny_models['qwen2_5_vl']}"]
+
+    return place
+
+
+@pytest.fixture
 def vlmexp_main(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
     """`vlmexp_main(*args, cwd=REPO, **env)`: the `vlmexp` command's own `main` (the parser, the dispatch, the
     exit status `entry()` exits with) in this test's process, from `cwd` with `env` set; its exit status,

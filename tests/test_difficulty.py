@@ -47,14 +47,15 @@ def test_config_refusals():
 
 
 @pytest.mark.slow
-def test_grpo_trains_only_on_prompts_with_signal(tmp_path):
+def test_grpo_trains_only_on_prompts_with_signal(tmp_path, run_inputs):
     """`odd_rows_vary` gives the records of even source_row the same score for every completion and odd ones a
     spread: the filter keeps exactly the odd rows, and each GRPO step then has a group with signal."""
     from mlflow.tracking import MlflowClient
 
-    store = f"sqlite:///{tmp_path / 'store.db'}"
+    model = run_inputs(tmp_path)  # the shared tiny model, and an empty store as tmp_path/mlflow.db
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", "tracking.backend=mlflow",
+                        f"run.output_dir={tmp_path}", *model, "tracking.backend=mlflow",
                         f"tracking.tracking_uri={store}", "data.demo.train=12", "data.demo.val=2",
                         *SMALL_BATCHES, "grpo.args.max_steps=4", "grpo.args.save_steps=4",
                         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",

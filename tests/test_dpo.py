@@ -119,7 +119,7 @@ def test_bad_pair_records_are_rejected_with_file_and_line(tmp_path):
             or not list((tmp_path / "out" / "dpo").glob("checkpoint-*")))
 
 
-def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path):  # noqa: F811 - fixture
+def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path, run_inputs):  # noqa: F811
     from test_flow import DEMO, SMALL, _artifacts, _mlflow, _run
 
     out = tmp_path / "run"
@@ -128,7 +128,7 @@ def test_pipeline_sft_dpo_tracks_dpo_in_mlflow_and_exports_it(prefect, tmp_path)
            "dpo.args.save_steps=3", "dpo.args.logging_steps=1", "dpo.args.per_device_train_batch_size=4",
            "dpo.args.max_length=256", "grpo.enabled=false",
            "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]"]
-    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *dpo])
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *run_inputs(out), *dpo])
 
     client, _, runs = _mlflow(out)
     assert set(runs) == {"demo-pipeline", "demo-sft", "demo-dpo", "eval"}

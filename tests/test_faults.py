@@ -86,7 +86,7 @@ def test_grpo_faults_resume_from_the_newest_complete_checkpoint(tmp_path):
         assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
 
 
-def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefect_home):
+def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefect_home, run_inputs):
     """SIGKILL the whole `vlmexp run` process group (flow, temporary server, training) during GRPO; the same
     command then finishes: SFT comes from the cache, GRPO resumes from its checkpoint."""
     import time
@@ -100,7 +100,7 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefec
                "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=4",
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
                "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.enabled=false",
-               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
+               "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES, *run_inputs(out)]
     first_log = tmp_path / "first.log"
     first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                              stderr=first_log.open("w"), start_new_session=True)

@@ -276,11 +276,13 @@ def _latest_parent(out):
     return run
 
 
-def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp_path, monkeypatch):
+def test_a_failing_stage_is_retried_and_resumes_from_its_checkpoint(prefect, tmp_path, monkeypatch,
+                                                                   run_inputs):
     out = tmp_path / "run"
     marker = tmp_path / "failed-once"
     monkeypatch.setenv("VLMEXP_TEST_FAIL_MARKER", str(marker))
-    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, "sft.enabled=false", "eval.enabled=false",
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *run_inputs(out), "sft.enabled=false",
+                         "eval.enabled=false",
                          "export.enabled=false", "tracking.backend=none", "pipeline.retries=1",
                          ("grpo.rewards=[{name: 'rewards_for_tests:fail_once'}, "
                           "{name: 'rewards_for_tests:char_variety'}]")])

@@ -278,13 +278,14 @@ def test_vlmexp_score_with_a_judge_from_the_config(tmp_path):
     assert any("Question: What is shown?" in q for q in questions)  # the prompt as training builds it
 
 
-def _train(tmp_path: Path, stage: str, *overrides: str) -> subprocess.CompletedProcess:
+def _train(tmp_path: Path, run_inputs, stage: str, *overrides: str) -> subprocess.CompletedProcess:
     """`vlmexp train STAGE` on the demo config in a process of its own, logging to an MLflow store in
-    tmp_path."""
-    store = f"sqlite:///{tmp_path / 'store.db'}"
+    tmp_path/out (the shared tiny model, and a copy of an empty store: conftest's `run_inputs`)."""
+    model = run_inputs(tmp_path / "out")
+    store = f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", stage, "--config",
-                           str(REPO / "configs/demo.yaml"), f"run.output_dir={tmp_path / 'out'}",
+                           str(REPO / "configs/demo.yaml"), f"run.output_dir={tmp_path / 'out'}", *model,
                            "tracking.backend=mlflow", f"tracking.tracking_uri={store}",
                            "tracking.system_metrics=false", "data.demo.train=4", "data.demo.val=2",
                            *overrides],
@@ -294,7 +295,7 @@ def _train(tmp_path: Path, stage: str, *overrides: str) -> subprocess.CompletedP
 def _run_metrics(tmp_path: Path, name: str):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id],
                                f"attributes.run_name = '{name}'")
     return client, run
@@ -302,7 +303,8 @@ def _run_metrics(tmp_path: Path, name: str):
 
 @pytest.mark.slow
 def test_grpo_trains_on_a_reward_model_and_a_judge_endpoint_filter_and_validation_included(tmp_path,
-                                                                                           reward_model):
+                                                                                           reward_model,
+                                                                                           run_inputs):
     """Two GRPO steps whose rewards are the tiny reward model and the judge over HTTP: the difficulty filter
     samples with them first, validation scores with them at step 2, and MLflow holds each reward's mean,
     seconds and calls."""
@@ -310,7 +312,7 @@ def test_grpo_trains_on_a_reward_model_and_a_judge_endpoint_filter_and_validatio
         rewards = (f"grpo.rewards=[{{name: format, weight: 0.25}}, "
                    f"{{name: reward_model, kwargs: {{path: '{reward_model}', normalise: sigmoid}}}}, "
                    f"{{name: judge, kwargs: {{model: grader, endpoint: '{server.url}'}}}}]")
-        run = _train(tmp_path, "grpo", rewards, "grpo.args.max_steps=2", "grpo.args.save_steps=2",
+        run = _train(tmp_path, run_inputs, "grpo", rewards, "grpo.args.max_steps=2", "grpo.args.save_steps=2",
                      "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
                      "grpo.args.num_generations=4", "grpo.args.max_completion_length=12",
                      "grpo.difficulty_filter.enabled=true", "grpo.difficulty_filter.num_samples=2",
@@ -337,13 +339,14 @@ def test_grpo_trains_on_a_reward_model_and_a_judge_endpoint_filter_and_validatio
 
 
 @pytest.mark.slow
-def test_dpo_pairs_from_samples_are_scored_by_the_judge(tmp_path):
+def test_dpo_pairs_from_samples_are_scored_by_the_judge(tmp_path, run_inputs):
     """DPO's own samples are scored with grpo.rewards: with the judge alone, each pair's scores are the
     grader's."""
     with JudgeServer() as server:
-        run = _train(tmp_path, "dpo", "dpo.enabled=true", "dpo.pairs.from=samples", "dpo.pairs.num_samples=3",
-                     "dpo.pairs.max_new_tokens=12", "dpo.pairs.min_margin=0.05", "dpo.args.max_steps=1",
-                     "dpo.args.per_device_train_batch_size=2", "dpo.args.save_steps=1",
+        run = _train(tmp_path, run_inputs, "dpo", "dpo.enabled=true", "dpo.pairs.from=samples",
+                     "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=12", "dpo.pairs.min_margin=0.05",
+                     "dpo.args.max_steps=1", "dpo.args.per_device_train_batch_size=2",
+                     "dpo.args.save_steps=1",
                      f"grpo.rewards=[{{name: judge, kwargs: {{model: grader, endpoint: '{server.url}'}}}}]")
         assert server.requests
     assert run.returncode == 0, run.stderr[-3000:]

@@ -172,7 +172,7 @@ def test_no_pictures_when_switched_off(tmp_path, mlflow_store):
 
 
 @pytest.mark.slow
-def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
+def test_grpo_completion_table_carries_each_drawn_completion(tmp_path, run_inputs):
     """`vlmexp train grpo` into a sqlite store, a completion table every step: the table's `image` column
     holds pictures MLflow's table view shows (PNG artifacts), each the record's image with its ground-truth
     box green, its reward and advantage beside the path, solution, task and sizes of the record."""
@@ -185,9 +185,10 @@ def test_grpo_completion_table_carries_each_drawn_completion(tmp_path):
 
     from vlmexp.pictures import COLOURS, MAX_SIDE
 
-    repo, store = Path(__file__).parents[1], f"sqlite:///{tmp_path / 'store.db'}"
+    model = run_inputs(tmp_path / "out")  # the shared tiny model, and an empty store as out/mlflow.db
+    repo, store = Path(__file__).parents[1], f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}"
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path / 'out'}", "data.demo.train=16", "data.demo.val=4",
+                        f"run.output_dir={tmp_path / 'out'}", *model, "data.demo.train=16", "data.demo.val=4",
                         *SMALL_BATCHES, "grpo.args.max_steps=2", "grpo.args.save_steps=100",
                         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4",
                         "grpo.args.num_generations=4", "grpo.args.max_completion_length=8",

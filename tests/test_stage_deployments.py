@@ -102,13 +102,14 @@ def _scheduled_retrain_runs(url: str) -> list:
 
 
 def test_deployments_run_on_their_pools_the_schedule_creates_runs_and_a_killed_stage_resumes(tmp_path,
-                                                                                          prefect_home):
+                                                                                          prefect_home,
+                                                                                          run_inputs):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
     # GRPO: one prompt and its 4 completions per step (the later overrides win over SMALL_BATCHES')
     params = {"config": "configs/demo.yaml", "overrides": [
-        *SMALL_BATCHES, f"run.output_dir={out}", STAGES, "pipeline.retry_delay_seconds=0",
+        *SMALL_BATCHES, f"run.output_dir={out}", *run_inputs(out), STAGES, "pipeline.retry_delay_seconds=0",
         "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=1", f"grpo.args.max_steps={MAX_STEPS}",
         f"grpo.args.save_steps={SAVE_STEPS}",
         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",

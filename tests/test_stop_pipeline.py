@@ -40,10 +40,10 @@ class Run:
     """`vlmexp run` on the demo config with small overrides, in a process group of its own (as a terminal's
     job)."""
 
-    def __init__(self, tmp_path: Path, launcher: str):
+    def __init__(self, tmp_path: Path, launcher: str, run_inputs):
         self.out, self.tmp = tmp_path / "out", tmp_path
         self.cmd = [sys.executable, "-m", "vlmexp.cli", "run", "configs/demo.yaml",
-                    f"run.output_dir={self.out}", *SMALL_RUN, *LAUNCHERS[launcher]]
+                    f"run.output_dir={self.out}", *SMALL_RUN, *LAUNCHERS[launcher], *run_inputs(self.out)]
         self.env = {**os.environ}  # PREFECT_HOME: the test's `prefect_home`
         self.env.pop("PREFECT_API_URL", None)
 
@@ -157,13 +157,13 @@ NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIG
 @pytest.mark.parametrize("launcher, sig, to_group, resumed", STOPS,
                          ids=[f"{launcher}-{sig.name}-to-the-{'group' if group else 'main-process'}"
                               for launcher, sig, group, _ in STOPS])
-def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, prefect_home, launcher, sig,
-                                                                   to_group, resumed):
+def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, prefect_home, run_inputs,
+                                                                   launcher, sig, to_group, resumed):
     """One signal: the run exits with 128 + the signal within 30 s, nothing of it left running (torchrun's
     workers in their own sessions included), SFT started once and never retried, its MLflow runs KILLED, its
     flow run Cancelled; the same command again resumes SFT from its checkpoint and finishes (checked once,
     under torchrun)."""
-    run = Run(tmp_path, launcher)
+    run = Run(tmp_path, launcher, run_inputs)
     first = run.start("first")
     _wait_for_checkpoint(run, first)
     rc, seconds, left = _stop(run, first, sig, to_group)
@@ -190,10 +190,10 @@ def test_one_stop_signal_ends_the_run_and_the_same_command_resumes(tmp_path, pre
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "local"])
-def test_a_second_signal_while_stopping_ends_the_run_at_once(tmp_path, prefect_home, launcher):
+def test_a_second_signal_while_stopping_ends_the_run_at_once(tmp_path, prefect_home, run_inputs, launcher):
     """Ctrl-C twice in a terminal: the second, while the stage is still stopping, kills every process of the
     run at once; the run exits 130 within seconds, leaves nothing running, and is recorded as stopped."""
-    run = Run(tmp_path, launcher)
+    run = Run(tmp_path, launcher, run_inputs)
     first = run.start("first")
     _wait_for_checkpoint(run, first)
     rc, seconds, left = _stop(run, first, signal.SIGINT, to_group=True, second_after=0.3)

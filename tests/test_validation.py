@@ -189,7 +189,7 @@ def test_grpo_best_checkpoint_survives_rotation_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path):  # noqa: F811 - fixture
+def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path, run_inputs):  # noqa: F811
     """SFT validating every 2 of 4 steps, export.checkpoint: best: the best checkpoint (step 2, a tie with
     step 4 keeps the earlier) is evaluated as sft-best, exported (its weights, not final's), registered with
     its metric, and the manifest says which step and why."""
@@ -197,7 +197,8 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
     from test_flow import DEMO, SMALL, _mlflow, _run
 
     out = tmp_path / "run"
-    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, "grpo.enabled=false", "sft.args.save_steps=100",
+    result = _run(DEMO, [f"run.output_dir={out}", *SMALL, *run_inputs(out), "grpo.enabled=false",
+                         "sft.args.save_steps=100",
                          "eval.every_steps=2", "eval.during_training_samples=4", "export.checkpoint=best"])
     assert [row["model"] for row in result.evaluation] == ["base", "sft", "sft-best"]
     manifest = json.loads((out / "export" / "manifest.json").read_text())
@@ -219,12 +220,13 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path): 
 
 
 @pytest.mark.slow
-def test_two_processes_share_the_data_and_validate_on_the_main_one_only(tmp_path):
+def test_two_processes_share_the_data_and_validate_on_the_main_one_only(tmp_path, tiny_models):
     """torchrun with 2 CPU processes (DDP over gloo): the launcher starts both and they share the data; the
     main process generates and scores, the other waits and takes the same decisions (a save at each new
     best); nothing hangs."""
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
+                        f"run.output_dir={tmp_path}", f"model.path={tiny_models['qwen2_5_vl']}",
+                        "tracking.backend=none", "data.demo.train=16",
                         "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
                         "sft.args.per_device_train_batch_size=2", "eval.every_steps=1",
                         "eval.max_new_tokens=8", "launch.launcher=torchrun", "launch.nproc_per_node=2"],
