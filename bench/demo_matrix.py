@@ -81,7 +81,7 @@ def run_cell(config: str, seed: int, dpo_config: str | None, overrides: list[str
 
     import torch
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import evaluate
     from vlmexp.files import read_jsonl

@@ -38,7 +38,7 @@ def main() -> None:
     sys.modules["base_evaluate"] = base
     spec.loader.exec_module(base)
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.record import read_sampled
     from vlmexp.data.run_data import prepare_data
     from vlmexp.generation import Generator

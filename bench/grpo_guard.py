@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48, help="max_completion_length")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "grpo_guard.json"))
     args = parser.parse_args()
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.record import read_sampled
     from vlmexp.train.grpo import build_grpo_trainer
 

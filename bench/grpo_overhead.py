@@ -227,7 +227,7 @@ def in_process(model: str, train: str, work: Path, steps: int, rounds: int):
 
 def vlmexp_config(work: Path, steps: int, extra: tuple[str, ...] = ()):
     """The config `vlmexp train grpo` would load for a bench run in this process (ARGS pinned, no saves)."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
 
     os.environ.update(SAMPLED)
     _, overrides = vlmexp_side(work, steps)

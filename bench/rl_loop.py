@@ -70,7 +70,7 @@ def stage_record(stage_dir: Path, seconds: float) -> dict:
 def run_seed(seed: int, arms: list[str], every: int, overrides: list[str], tmp: str, sft: str | None) -> dict:
     import torch
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import evaluate
     from vlmexp.files import read_jsonl

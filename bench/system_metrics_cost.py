@@ -75,7 +75,7 @@ def toggling_callback(seconds: float, block: int):
 
 def train(stage: str, steps: int, seconds: float, block: int, folder: Path) -> dict:
     """One in-process stage with the sampler toggled in blocks; per-step seconds on and off."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
 
     cfg = load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={folder}", f"tracking.tracking_uri=sqlite:///{folder / 'mlflow.db'}",

@@ -29,7 +29,7 @@ def vlm_data_sensor(config: str, overrides: list[str] | None = None) -> bool:
     did."""
     from prefect.variables import Variable
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.pipeline.data_watch import sources_fingerprint
 
     cfg = load_config(config, overrides or [])

@@ -54,7 +54,7 @@ def _run_name(config: str, parameters: dict[str, Any]) -> str:
     """run.name of the config the pipeline ran (the file's stem when the config does not load)."""
     from pathlib import Path
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import VlmexpError
 
     try:

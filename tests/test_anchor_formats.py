@@ -218,7 +218,7 @@ def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_pa
     each, weights changed; then evaluation on the GRPO records."""
     from safetensors.torch import load_file
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.evaluate import evaluate
     from vlmexp.train.dpo import run_dpo
     from vlmexp.train.grpo import run_grpo
@@ -302,7 +302,7 @@ def test_multi_turn_sft_needs_a_chat_template_trl_can_mark(tiny_models):
 
 
 def test_validate_checks_a_llamafactory_dataset_name(anchors, tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
 
     folder = anchors["llamafactory"]["json_path"]

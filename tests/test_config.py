@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config.loader import dump_config, load_config
+from vlmexp.checks.loader import dump_config, load_config
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.errors import ConfigError
 
 BASE = """\

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from vlmexp.coords import from_frame, iou, parse_box, smart_resize, to_frame
+from vlmexp.coords import from_frame, iou, parse_box, to_frame
+from vlmexp.families.qwen import smart_resize
 from vlmexp.processor import PixelBudget
 
 REAL = PixelBudget(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)

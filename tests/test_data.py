@@ -225,7 +225,7 @@ def test_demo_data_is_valid_rec_and_deterministic(tmp_path, demo_data):
 def test_demo_scenes_from_the_config_size_count_and_background(tmp_path):
     from PIL import Image
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.demo import COLORS
     from vlmexp.data.run_data import prepare_data
     from vlmexp.errors import ConfigError
@@ -255,7 +255,7 @@ def test_demo_annotator_loosens_training_demonstrations_only(tmp_path):
     """SFT imitates the annotator's box; the exact box stays the solution the reward and evaluation score."""
     from PIL import Image
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.coords import iou
     from vlmexp.data.demo import Annotator, make_demo_data
     from vlmexp.data.run_data import prepare_data
@@ -356,7 +356,7 @@ def test_detection_boxes_are_checked_inside_the_image(tmp_path, imgs):
 def test_a_stage_process_samples_again_when_the_sampled_layout_changed(tmp_path, monkeypatch):
     """A stage process reuses the run's sampled files only when they were sampled for the same request, and
     the sampled-record schema is part of the request: files of an older layout are sampled again, not read."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data import run_data
 
     cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path}", "data.demo.train=4",

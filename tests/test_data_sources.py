@@ -258,7 +258,7 @@ def test_a_lying_png_file_and_non_utf8_lines_are_problems_naming_the_record(tmp_
 def test_the_rows_a_seed_picks_do_not_depend_on_where_the_data_lives(tmp_path, monkeypatch):
     """The same config and data in two folders (a moved checkout): same rows, same data hash, same stage
     key."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.pipeline.keys import stage_key
 
@@ -308,7 +308,7 @@ def test_easyr1_format_reward_style():
 def test_one_grpo_step_from_parquet_with_embedded_images(geometry3k, tmp_path):
     """The embedded model trains a GRPO step on geometry3k-layout data (images of four sizes, one per
     prompt)."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.train.grpo import run_grpo
 
     data = tmp_path / "data.yaml"
@@ -328,7 +328,7 @@ def test_one_grpo_step_from_parquet_with_embedded_images(geometry3k, tmp_path):
 
 
 def test_validate_accepts_every_source_kind_and_names_a_glob_that_matches_nothing(geometry3k, tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
 
     body = ("model:\n  path: Qwen/Qwen2.5-VL-3B-Instruct\ndata:\n  datasets:\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_BATCHES
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.config.stages import DifficultyFilterConfig
 from vlmexp.errors import ConfigError
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_png, write_jsonl
 from test_flow import prefect  # noqa: F401 - the module-scoped Prefect test harness
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.config.schema import Config, DataSource
 from vlmexp.errors import VlmexpError
 

@@ -171,8 +171,8 @@ def test_image_tokens_over_the_sequence_limit(world, tmp_path, capsys):
 
 
 def test_safe_defaults(world, tmp_path, capsys):
+    from vlmexp.checks.loader import load_config
     from vlmexp.cli import build_parser
-    from vlmexp.config.loader import load_config
 
     cfg = load_config(_config(world, tmp_path))
     assert cfg.model.trust_remote_code is False

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.errors import ConfigError
 from vlmexp.families import get_family
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect_server import free_port, stop, wait_http
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -151,7 +151,7 @@ def test_judge_with_records_llm_scores_only_vlm_r1_llm_records():
 
 
 def test_judge_and_reward_model_kwargs_are_checked_when_the_config_loads(tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
 
     bad = ["grpo.rewards=[{name: judge, kwargs: {model: m, endpoint: 'ftp://x', prompt: '{question}', "
@@ -379,7 +379,7 @@ def test_a_local_judge_model_whose_answers_do_not_parse(tiny_models):
 
 
 def test_the_pipeline_samples_llm_records_only_for_a_config_with_a_judge_and_grpo_checks_again(tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.errors import ConfigError, DataError
     from vlmexp.train.grpo import check_rewards_score
@@ -417,7 +417,7 @@ def test_validation_takes_the_best_sample_when_a_judge_could_not_read_some():
 
 
 def test_validate_refuses_a_reward_model_or_local_judge_folder_that_is_not_there(tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
 
     rewards = (f"grpo.rewards=[{{name: reward_model, kwargs: {{path: '{tmp_path / 'none'}'}}}}, "

@@ -42,8 +42,8 @@ def _answer(box, family, budget) -> str:
 def _evaluations(tmp_path: Path, records, completions: dict[str, list[str]], family, budget):
     """Each model's Evaluation, its samples.jsonl written by score_records as `vlmexp.evaluate.evaluate`
     writes it."""
-    from vlmexp.evaluate import score_records
     from vlmexp.results import Evaluation
+    from vlmexp.scoring import score_records
 
     out = []
     for name, texts in completions.items():
@@ -59,7 +59,7 @@ def _logged(tmp_path: Path, store, evaluations, pictures: int = 16):
     (conftest's `mlflow_store`)."""
     from mlflow.tracking import MlflowClient
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.pipeline.report import log_evaluation_run
     from vlmexp.tracking.tracker import make_tracker
 

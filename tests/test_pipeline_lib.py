@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.pipeline.keys import claim_stage_dir, read_key, stage_done, stage_key
 from vlmexp.pipeline.processes import StageFailed, run_streaming
 from vlmexp.pipeline.steps import remote_result, write_result

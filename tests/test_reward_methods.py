@@ -97,7 +97,7 @@ def test_default_scores_as_vlm_r1_default_accuracy_reward():
 
 
 def test_default_match_refused_unless_known(tmp_path):
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
@@ -293,7 +293,7 @@ def test_sample_refuses_llm_without_a_judge_and_unknown_methods_naming_the_recor
 
 def test_evaluation_gives_detection_ap_over_all_records():
     from vlmexp.data.record import SampledRecord
-    from vlmexp.evaluate import score_records
+    from vlmexp.scoring import score_records
 
     gold = "<answer>" + boxes(([0, 0, 10, 10], "cat")) + "</answer>"
     records = [SampledRecord(task="detection", method="od_ap", problem="Which?", solution=gold,
@@ -311,7 +311,7 @@ def test_evaluation_gives_detection_ap_over_all_records():
 def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monkeypatch):
     import importlib.util
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import VlmexpError
 
     real = importlib.util.find_spec
@@ -333,7 +333,7 @@ def test_config_asking_for_a_missing_mathruler_is_refused_at_load(tmp_path, monk
 def test_grpo_refuses_records_whose_answers_no_reward_scores():
     """Records of a task that no configured reward scores would train on the format reward alone: refused,
     naming the task and the reward that would score it, before the model loads."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
     from vlmexp.rewards import unscored_tasks
     from vlmexp.train.grpo import check_rewards_score

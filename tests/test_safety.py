@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmexp.config.path_checks import check_replaceable_folder
 from vlmexp.files import new_folder
+from vlmexp.paths import check_replaceable_folder
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -133,7 +133,7 @@ def test_evaluation_scores_with_the_configured_rewards():
     config is the format evaluation measures (the metric names stay)."""
     from vlmexp.config.stages import RewardSpec
     from vlmexp.data.record import SampledRecord
-    from vlmexp.evaluate import score_records
+    from vlmexp.scoring import score_records
 
     records = [SampledRecord(task="math", method="math", problem="1+1?", solution="2", images=[],
                              image_sizes=[], image_refs=[], source="s.jsonl", source_id="", source_row=0,

@@ -146,9 +146,8 @@ def test_dpo_sample_scoring_and_evaluation_pass_the_source_columns(sources, tmp_
     """DPO's sample scoring (and the difficulty filter, which scores through it) and evaluation's scoring (and
     validation's, the same function) give a `module:function` reward the source's columns."""
     from vlmexp.config.stages import RewardSpec
-    from vlmexp.evaluate import score_records
-    from vlmexp.generation import score_group
     from vlmexp.rewards_loader import build_reward
+    from vlmexp.scoring import score_group, score_records
 
     records = _sample(tmp_path, sources)
     reward = build_reward(REWARD, {}, "pixels", None)
@@ -218,7 +217,7 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
     """A real GRPO step on the three sources at once (every prompt in the step), then `vlmexp eval` on them:
     the `module:function` reward receives each record's own columns, and its score (1.0 where it did) is
     logged."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.train.grpo import run_grpo
 
     data = tmp_path / "data.yaml"
@@ -259,7 +258,7 @@ def test_grpo_and_vlmexp_eval_rewards_receive_the_source_columns(sources, tmp_pa
 def test_a_column_whose_types_differ_across_sources_is_refused_before_grpo(tmp_path):
     """GRPO's dataset is Arrow, as TRL's: one source's `difficulty: 1` and another's `difficulty: "hard"`
     cannot be one column; refused naming it, before any model loads."""
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.families import get_family
     from vlmexp.train.data import build_dataset
 

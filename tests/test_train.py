@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_BATCHES
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from conftest import SMALL_BATCHES
 from transformers import PreTrainedModel, TrainerCallback
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import pytest
 from conftest import SMALL_BATCHES, make_png, write_jsonl
 from test_flow import prefect  # noqa: F401 - the module-scoped Prefect test harness
 
-from vlmexp.config.loader import load_config
+from vlmexp.checks.loader import load_config
 from vlmexp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
 def _rec_scorer(tmp_path, n_records: int):
     """`score` over `n_records` copies of a 1000x500 rec record (GT [100, 50, 200, 100], [100.8, 50.4, 201.6,
     100.8] in Qwen2.5-VL's frame at the released pixel budget), as validation builds it."""
-    from vlmexp.evaluate import read_predictions, score_records
+    from vlmexp.evaluate import read_predictions
     from vlmexp.families.qwen import RELEASED_PIXELS
     from vlmexp.processor import PixelBudget
+    from vlmexp.scoring import score_records
 
     make_png(tmp_path / "wide.png", size=(1000, 500))
     rec = {"image": "wide.png", "problem": "the box", "solution": [100, 50, 200, 100], "task": "rec",

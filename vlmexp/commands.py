@@ -24,7 +24,7 @@ def check_arguments(command: str, *checks: tuple[str, object, str | None]) -> No
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.no_check_paths, import_rewards=True)
     print(f"{args.config}: ok (model {cfg.model.path}, output_dir {cfg.run.output_dir})")
@@ -32,7 +32,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_dir
+    from vlmexp.paths import check_output_dir
     from vlmexp.tiny import make_tiny_model
 
     check_arguments("make-tiny-model", ("DIR", args.dir, check_output_dir(args.dir)))
@@ -42,8 +42,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_demo_data(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_dir
     from vlmexp.data.demo import Annotator, Scenes, make_demo_data
+    from vlmexp.paths import check_output_dir
 
     counts = [(f"--{k}", getattr(args, k), None if getattr(args, k) > 0 else "must be a positive count")
               for k in ("train", "val")]
@@ -66,9 +66,9 @@ def cmd_make_demo_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from vlmexp.config.path_checks import check_output_file
     from vlmexp.data.sampling import format_report, sample_sources
     from vlmexp.data.sources import load_data_yaml
+    from vlmexp.paths import check_output_file
 
     manifest = Path(args.out).with_name(Path(args.out).name.removesuffix(".jsonl") + ".manifest.json")
     check_arguments("sample", ("--out", args.out, check_output_file(args.out) or check_output_file(manifest)))
@@ -125,10 +125,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Generate on the config's held-out records with CHECKPOINT and print the metrics as JSON."""
     import json
 
-    from vlmexp.config.loader import load_config
-    from vlmexp.config.path_checks import check_checkpoint, check_output_dir
+    from vlmexp.checks.loader import load_config
     from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import check_sampled_records, evaluate
+    from vlmexp.paths import check_checkpoint, check_output_dir
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
     check_arguments("eval", ("CHECKPOINT", args.checkpoint, check_checkpoint(args.checkpoint)),
@@ -150,9 +150,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Score completions produced by any system with the rewards that train; metrics as JSON on stdout."""
     import json
 
-    from vlmexp.config.path_checks import check_output_file
     from vlmexp.evaluate import score_predictions
     from vlmexp.files import atomic_write
+    from vlmexp.paths import check_output_file
 
     knobs = {k: getattr(args, k) for k in BUDGET_KNOBS if getattr(args, k) is not None}
     root = args.image_root
@@ -163,7 +163,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     check_arguments("score", ("--math-grader", args.math_grader, _grader_problem(args.math_grader)))
     cfg = None
     if args.config:
-        from vlmexp.config.loader import load_config
+        from vlmexp.checks.loader import load_config
 
         cfg = load_config(args.config, [])
     metrics, rows = score_predictions(args.predictions, args.family, knobs, args.image_root,
@@ -202,14 +202,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export CHECKPOINT (a model folder or LoRA adapter) as one folder that loads in plain transformers."""
     import tempfile
 
-    from vlmexp.config.loader import dump_config, load_config
-    from vlmexp.config.path_checks import (
-        check_checkpoint,
-        check_output_dir,
-        check_replaceable_folder,
-        data_paths,
-    )
+    from vlmexp.checks.config_paths import data_paths
+    from vlmexp.checks.loader import dump_config, load_config
     from vlmexp.export import export_model
+    from vlmexp.paths import check_checkpoint, check_output_dir, check_replaceable_folder
     from vlmexp.provenance import git_commit
 
     cfg = load_config(args.config, args.overrides, check_paths=True)
@@ -231,7 +227,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     """The MLflow UI for a run's store, bound to 127.0.0.1, in its low-memory form."""
     import os
 
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.tracking.tracker import store_uri, ui_address
 
     cfg = load_config(args.config, [], check_paths=False, check_trl=False) if args.config else None
@@ -251,9 +247,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    from vlmexp.config.loader import load_config
-    from vlmexp.config.path_checks import check_checkpoint
+    from vlmexp.checks.loader import load_config
     from vlmexp.launch import is_launched_process, stage_command
+    from vlmexp.paths import check_checkpoint
 
     overridden = args.checked and args.overrides and (
         "the config was checked when the pipeline wrote it, and overrides would change it unchecked: drop "

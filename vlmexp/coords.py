@@ -3,8 +3,8 @@
 Qwen2.5-VL answers in absolute pixels of the image *after* smart_resize; Qwen2-VL and Qwen3-VL answer
 on a 0-1000 grid. Ground truth stays in original pixels; everything maps through here, with the pixel
 budget read from the loaded processor (`Family.image_budget`), so SFT targets, GRPO rewards
-and evaluation agree. `smart_resize` is transformers' algorithm, restated so that scoring does not
-import torch; a test checks the two agree.
+and evaluation agree. `smart_resize` (the Qwen-VL image processor's resize, `vlmexp.families.qwen`) gives
+the resized size.
 """
 
 from __future__ import annotations
@@ -17,30 +17,9 @@ from typing import Any
 
 from vlmexp.errors import short
 from vlmexp.families.base import BoxFrame
+from vlmexp.families.qwen import smart_resize
 
 Box = list[float]  # [x1, y1, x2, y2]
-
-MAX_ASPECT_RATIO = 200
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) the Qwen-VL image processor resizes an image to: multiples of `factor`, area in
-    bounds."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
-                         f"got {max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
 
 def _scale(frame: BoxFrame, width: int, height: int, budget) -> tuple[float, float]:
     """Multipliers (sx, sy) from original pixels to the frame."""

@@ -1,9 +1,11 @@
-"""Generation: the one code path every stage that generates text goes through (nanochat's engine, one for
-all).
+"""Generation: the one code path every part that generates text goes through (nanochat's engine, one for
+all). It generates and counts compilations; it loads no model, builds no reward and logs nothing.
 
-Evaluation (`vlmexp.evaluate`), validation during training (`vlmexp.train.validation`), DPO's pairs from
-samples and GRPO's difficulty filter (`sample_and_score`) call `generate_texts`; GRPO's rollouts are TRL's own
-`model.generate` call, set up by `configure_trainer` from the same `generation:` section.
+`Generator` serves evaluation (`vlmexp.evaluate`), validation during training (`vlmexp.train.validation`),
+DPO's pairs from samples and GRPO's difficulty filter (`vlmexp.train.sampling.sample_and_score`) and a local
+judge model (`vlmexp.model_rewards.judge`, a vision-language model of a family or a text-only one); GRPO's
+rollouts are TRL's own `model.generate` call, set up by `configure_trainer` from the same `generation:`
+section.
 
 What the section decides (`resolve`): whether the decoding step is compiled (`compile: auto` is on where CUDA
 is, off on CPU), the key/value cache (static when compiled), and the prompt-length bucket (prompts left-padded
@@ -32,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vlmexp.config.schema import Config
     from vlmexp.config.stages import GenerationConfig
-    from vlmexp.data.record import SampledRecord
 
 log = logging.getLogger("vlmexp.generation")
 AUTO_BUCKET = 64  # tokens: the prompt-length bucket when compiled and generation.prompt_bucket is not set
@@ -254,62 +255,3 @@ class Generator:
             out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:],
                                           skip_special_tokens=True)
         return out
-
-
-def sample_and_score(cfg: Config, model_path: str, family, budget, records: list[SampledRecord],
-                     rewards: list[tuple[str, dict, float]], k: int, temperature: float, max_new_tokens: int,
-                     batch_size: int, prefilled_think: bool = False):
-    """(prompts, [(k completions, their weighted reward sums)] per record, compile count): `model_path`'s
-    samples for `records`, scored with `rewards` ((name, kwargs, weight) each) as `score_group` scores them.
-    The sampling model is freed before returning. DPO's pairs and GRPO's difficulty filter sample through
-    here."""
-    import torch
-
-    from vlmexp.modeling import load_for_inference
-    from vlmexp.prompts import build_prompt, load_images
-    from vlmexp.rewards_loader import build_reward
-
-    built = [build_reward(name, kwargs, family.box_frame, budget, prefilled_think)
-             for name, kwargs, _ in rewards]
-    model, processor, _ = load_for_inference(cfg, model_path)
-    prompts = [build_prompt(r, cfg.data, family) for r in records]
-    images = [load_images(r.images) for r in records]
-    generator = Generator.for_config(cfg, model, processor, family)
-    completions = generator([p for p in prompts for _ in range(k)], [im for im in images for _ in range(k)],
-                            max_new_tokens, temperature, batch_size)
-    del model, generator.model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    weights = [w for _, _, w in rewards]
-    groups = []
-    for i, record in enumerate(records):
-        texts = completions[i * k:(i + 1) * k]
-        groups.append((texts, score_group(built, weights, prompts[i], texts, record)))
-    return prompts, groups, generator.count
-
-
-def score_group(rewards, weights: list[float], prompt, texts: list[str],
-                record: SampledRecord) -> list[float]:
-    """Weighted reward sum per completion, fed the same keyword columns GRPO gives its rewards
-    (`reward_columns`). A masked (None) score counts as 0 for that reward."""
-    from vlmexp.data.record import reward_columns
-
-    n = len(texts)
-    columns = {key: [value] * n for key, value in reward_columns(record).items()}
-    completions = [[{"role": "assistant", "content": t}] for t in texts]
-    totals = [0.0] * n
-    for reward, weight in zip(rewards, weights, strict=True):
-        for j, score in enumerate(reward(prompts=[prompt] * n, completions=completions, **columns)):
-            totals[j] += weight * (score or 0.0)
-    return totals
-
-
-def log_compile_count(count: CompileCount, run=None, step: int | None = None) -> dict[str, float]:
-    """The compile count's metrics, logged to the active MLflow run when `run` is given (a StageRun or
-    True)."""
-    metrics = count.metrics()
-    if run:
-        import mlflow
-
-        mlflow.log_metrics(metrics, step=step)
-    return metrics

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config.path_checks import is_hub_id
 from vlmexp.config.schema import Config, ModelConfig
 from vlmexp.config.stages import StageConfig
 from vlmexp.errors import ConfigError, Problem
 from vlmexp.families import FAMILIES, TINY_PREFIX, Family, detect_family, get_family
+from vlmexp.paths import is_hub_id
 
 log = logging.getLogger("vlmexp.model")
 

@@ -48,7 +48,7 @@ def _rounded(box: Sequence[float]) -> list[float]:
 def boxes_of(scorers: Mapping[str, Any], text: str, columns: Mapping[str, list], i: int) -> dict[str, list]:
     """{"truth": [...], "boxes": [...]} of sample `i`, each a {"box": [x1, y1, x2, y2], "label": str} in
     original pixels: the ground truth and the completion `text`'s boxes as the iou and detection rewards of
-    `scorers` (vlmexp.evaluate.build_scorers) read them. An unreadable answer has no boxes; other tasks give
+    `scorers` (vlmexp.scoring.build_scorers) read them. An unreadable answer has no boxes; other tasks give
     {}."""
     from vlmexp.coords import parse_box
     from vlmexp.detection import gold_objects
@@ -94,7 +94,7 @@ class Shown:
 
 def shown_records(models: Mapping[str, Sequence[Mapping[str, Any]]], count: int) -> list[Shown]:
     """The first `count` records of per-sample evaluation rows ({model: rows}, rows as
-    `vlmexp.evaluate.score_records` writes them, every model's in the same record order)."""
+    `vlmexp.scoring.score_records` writes them, every model's in the same record order)."""
     names = list(models)
     first = models[names[0]] if names else []
     out = []

@@ -163,7 +163,7 @@ def main() -> None:
     for name in filter(None, args.hide.split(",")):
         sys.modules[name] = None  # type: ignore[assignment]  # import fails, find_spec says absent
     stage, config, record, overrides = args.stage, args.config, args.record, args.overrides
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
     from vlmexp.train.dpo import run_dpo
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.sft import run_sft

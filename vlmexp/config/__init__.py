@@ -1,3 +1,4 @@
-"""The configuration: the typed schema (`schema`, `base`, `stages`), reading and composing YAML
-(`yaml_reader`, `compose`, `loader`), the checks (`checks`, `path_checks`, `trl_args`) and the generated
-reference (`reference`). The schema modules import pydantic and the family table only."""
+"""The configuration's ground floor: the typed schema (`schema`, `base`, `stages`), reading and composing YAML
+(`yaml_reader`, `compose`), TRL's argument classes (`trl_args`) and the generated reference (`reference`). It
+imports pydantic, the family table and `vlmexp.errors` only, never the data or reward packages above it:
+loading a config with the checks that need them (reward names, data sources, paths) is `vlmexp.checks`."""

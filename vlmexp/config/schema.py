@@ -5,13 +5,13 @@ runs no user code and reads no file. It spans three modules: this one (the root 
 data, tracking, pipeline and launch sections), `vlmexp.config.stages` (the training stages, evaluation and
 export) and `vlmexp.config.base` (what every section shares). What needs other modules or has side effects
 (registered reward names, sampling strategies, a source's `columns`, importing a `module:function` reward,
-probing paths, building TRL's argument classes) is the loader's check phase (`vlmexp.config.checks`, run by
-`load_config`).
+probing paths, building TRL's argument classes) is the loader's check phase (`vlmexp.checks.rules`, run by
+`vlmexp.checks.loader.load_config`), a floor above this package.
 
 Relative paths in a config resolve against the working directory the command runs in (the repository
 root for the shipped configs). Training arguments that TRL defines are not restated here: `sft.args`
 and `grpo.args` pass through to `trl.SFTConfig` / `trl.GRPOConfig` and are validated by building them
-(see `vlmexp.config.loader.check_trl_args`).
+(see `vlmexp.config.trl_args.check_trl_args`).
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class EvalConfig(Section):
         return self
 
 
-# The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
+# The metrics evaluation produces (vlmexp.scoring.score_records), those present for the records' tasks.
 METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy",
                "exact_accuracy", "detection_reward", "detection_ap", "detection_ap50", "judge_score",
                "reward_model_score")

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from vlmexp.coords import MAX_ASPECT_RATIO
+from vlmexp.families.qwen import MAX_ASPECT_RATIO
 
 MIN_IMAGE_SIDE = 4  # smaller images cannot be grounded (and are usually broken files)
 # Pixels per image, checked from the header before decoding (PIL refuses twice this itself). Real checkpoints

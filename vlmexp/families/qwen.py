@@ -9,6 +9,7 @@ absolute pixels of the resized image, Qwen2-VL and Qwen3-VL on a 0-1000 grid (vl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
@@ -40,6 +41,29 @@ class PixelBudget:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) the Qwen-VL image processor resizes an image to: multiples of `factor`, area in
+    bounds. transformers' algorithm, restated so that scoring does not import torch; a test checks the two
+    agree."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+                         f"got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 @dataclass(frozen=True)
@@ -94,8 +118,6 @@ class QwenVLFamily(Family):
 
     def image_tokens(self, width: int, height: int, budget: PixelBudget) -> int:
         """`<|image_pad|>` tokens: one per merge_size x merge_size patches of the smart-resized image."""
-        from vlmexp.coords import smart_resize
-
         h, w = smart_resize(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
         return (h // budget.patch_size) * (w // budget.patch_size) // budget.merge_size**2
 
@@ -104,8 +126,6 @@ class QwenVLFamily(Family):
     def image_layout(self, image_sizes, budget: PixelBudget):
         """[n_images, 3] (t, h, w) patch grids (the processor's `image_grid_thw`)."""
         import torch
-
-        from vlmexp.coords import smart_resize
 
         rows = []
         for width, height in image_sizes or []:

@@ -117,7 +117,7 @@ def _load(path: str, dtype: str, trust_remote_code: bool):
     import transformers
     from accelerate import PartialState
 
-    from vlmexp.config.path_checks import is_hub_id
+    from vlmexp.paths import is_hub_id
 
     folder = Path(path)
     if not (folder / "config.json").is_file() and not is_hub_id(path):

@@ -9,8 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from vlmexp.config.path_checks import KEY_FILE, foreign_stage_dir
 from vlmexp.config.schema import TRAINING_STAGES, Config
+from vlmexp.paths import KEY_FILE, foreign_stage_dir
 
 RESOLVED_NAME = "config.resolved.yaml"
 
@@ -41,7 +41,7 @@ def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
     It becomes config.resolved.yaml (`commit_resolved`) only once the data sampled cleanly, so a run that
     fails on its input leaves an existing run's config.resolved.yaml as it was.
     """
-    from vlmexp.config.loader import dump_config, load_config
+    from vlmexp.checks.loader import dump_config, load_config
 
     cfg = load_config(config, overrides, check_paths=True, import_rewards=True)
     return cfg, dump_config(cfg, Path(cfg.run.output_dir) / PENDING_NAME)
@@ -56,7 +56,7 @@ def commit_resolved(pending: str | Path) -> Path:
 
 
 def load_resolved(resolved: str | Path) -> Config:
-    from vlmexp.config.loader import load_config
+    from vlmexp.checks.loader import load_config
 
     return load_config(resolved, [], check_paths=False, check_trl=False)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from vlmexp.config.path_checks import KEY_FILE
+from vlmexp.paths import KEY_FILE
 from vlmexp.pipeline.keys import claim_stage_dir, load_resolved
 from vlmexp.pipeline.processes import StageFailed, StageInterrupted, run_streaming, stage_env
 from vlmexp.results import Evaluation, Result, StageResult

@@ -101,3 +101,13 @@ def last_logged_step(tracking_uri: str | None, run_id: str | None) -> int:
     client = MlflowClient(tracking_uri)
     keys = [key for key in client.get_run(run_id).data.metrics if not key.startswith("system/")]
     return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=0)
+
+
+def log_stage_metrics(metrics: dict[str, float], run: StageRun | None,
+                      step: int | None = None) -> dict[str, float]:
+    """`metrics` logged to the stage's active MLflow run when it has one (`run`); returned either way."""
+    if run:
+        import mlflow
+
+        mlflow.log_metrics(metrics, step=step)
+    return metrics

@@ -39,7 +39,7 @@ class CompletionTable(TrainerCallback):
     collected: prompts, completions, each reward's score, the advantages, and the columns logged through
     `log_extra` (the record's image, solution, task and sizes, each reward's unparsable reason). The `image`
     column is the picture itself (MLflow's table view shows it): the record's image with the ground truth and
-    the completion's boxes as `scorers` read them (vlmexp.evaluate.build_scorers, vlmexp.pictures), its
+    the completion's boxes as `scorers` read them (vlmexp.scoring.build_scorers, vlmexp.pictures), its
     weighted reward and its advantage; the file's path is `image_path`."""
 
     def __init__(self, trainer, every: int, rows: int, scorers=None):
@@ -117,6 +117,6 @@ class CompileCountLog(TrainerCallback):
             logs.update(self.count.metrics())
 
     def on_train_end(self, args, state, control, **kwargs):
-        from vlmexp.generation import log_compile_count
+        from vlmexp.tracking.stage_run import log_stage_metrics
 
-        log_compile_count(self.count, self.run, state.global_step)
+        log_stage_metrics(self.count.metrics(), self.run, state.global_step)

@@ -14,7 +14,7 @@ log-probabilities, ...) that `_prepare_inputs` then shuffles and splits. Droppin
 batch online means concatenating such batches across calls, re-padding each tensor and keeping every rank's
 choices the same: re-implementing TRL internals that change between versions. The offline filter instead
 samples before training, with the start model and the same reward objects
-(`vlmexp.generation.sample_and_score`, which DPO's pairs also sample through), keeps the prompts solved
+(`vlmexp.train.sampling.sample_and_score`, which DPO's pairs also sample through), keeps the prompts solved
 sometimes but not always, and hands GRPO the kept records; TRL trains unchanged. What it cannot do is follow
 the policy: a prompt that becomes too easy during training stays in (its groups then show as
 frac_reward_zero_std, which TRL keeps logging).
@@ -77,8 +77,9 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     """Sample, judge each prompt's group, write the counts and the kept rows; refuse when none is kept."""
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
-    from vlmexp.generation import log_compile_count, sample_and_score
     from vlmexp.processor import prefills_think
+    from vlmexp.tracking.stage_run import log_stage_metrics
+    from vlmexp.train.sampling import sample_and_score
 
     cfg, opts = inputs.cfg, inputs.cfg.grpo.difficulty_filter
     start = time.monotonic()
@@ -90,7 +91,7 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
                                            rewards, opts.num_samples, temperature, max_new_tokens,
                                            opts.batch_size, prefills_think(inputs.processor))
-    log_compile_count(compiled, inputs.run)
+    log_stage_metrics(compiled.metrics(), inputs.run)
     verdicts = [verdict(scores, opts) for _, scores in groups]
     counts = {v: verdicts.count(v) for v in ("kept", "zero_std", "low", "high")}
     summary = {"prompts": len(records), "kept": counts["kept"], "dropped_zero_std": counts["zero_std"],

@@ -23,10 +23,10 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     """(trainer, stage inputs, training rows): the GRPOTrainer `run_grpo` trains, with the pipeline's rewards,
     generation settings and callbacks. Apart so a benchmark can time it against a plain TRL script's
     trainer."""
-    from vlmexp.evaluate import build_scorers
     from vlmexp.generation import configure_trainer, resolve
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
+    from vlmexp.scoring import build_scorers
     from vlmexp.train.callbacks import CompileCountLog, CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmexp.config.path_checks import KEY_FILE
 from vlmexp.config.schema import Config
 from vlmexp.config.stages import StageConfig
 from vlmexp.families import Family
 from vlmexp.files import made_by_vlmexp, mark_folder
+from vlmexp.paths import KEY_FILE
 from vlmexp.tracking.stage_run import StageRun, close_stage_run, open_stage_run
 
 log = logging.getLogger("vlmexp.train")

@@ -57,7 +57,7 @@ def tracked_metric(cfg: Config) -> str:
 
 def validation_metrics(groups: Sequence[Sequence[str]], score: Scorer) -> dict[str, float]:
     """`val/...` metrics of N completions per record (`groups[i]`: record i's), scored by `score`, which maps
-    one completion per record to (metrics, rows) as `vlmexp.evaluate.score_records` does. N = 1: val/<metric>;
+    one completion per record to (metrics, rows) as `vlmexp.scoring.score_records` does. N = 1: val/<metric>;
     N > 1: val/<metric>/mean_at_N and val/<metric>/best_at_N. The record count is not repeated."""
     n = len(groups[0])
     if any(len(g) != n for g in groups):
@@ -96,9 +96,9 @@ def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> Hel
     """The first eval.during_training_samples records of the sampled held-out file, scored as evaluation
     scores."""
     from vlmexp.data.record import read_sampled
-    from vlmexp.evaluate import score_records
     from vlmexp.processor import prefills_think
     from vlmexp.prompts import build_prompt, load_images
+    from vlmexp.scoring import score_records
 
     records = read_sampled(val_path)[: cfg.eval.during_training_samples]
     thinking = prefills_think(processor)

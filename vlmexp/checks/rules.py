@@ -9,7 +9,7 @@ the file:line (or override) that set it. Two kinds:
   validated config) checks what one section asks of another, naming the field that asks.
 - The checks with side effects run only when the loader is asked to: `check_trl_config` builds TRL's argument
   classes (imports trl), `check_reward_imports` imports each module:function reward's module in a child
-  process (its top-level code runs there), and `vlmexp.config.path_checks` probes the file system.
+  process (its top-level code runs there), and `vlmexp.checks.config_paths` probes the file system.
 """
 
 from __future__ import annotations

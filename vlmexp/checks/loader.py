@@ -4,7 +4,8 @@ ConfigError listing every problem.
 Each problem names where it comes from (file:line of the file that wrote the value, a base file's included,
 or the override that set it), the field's dotted path, the bad value, and the fix. YAML is parsed with the
 safe loader only. Three phases: compose (`vlmexp.config.compose`), the schema (`vlmexp.config.schema`, pure),
-and the check phase (`vlmexp.config.checks`, whose checks with side effects run only when asked).
+and the check phase (`vlmexp.checks.rules` and `vlmexp.checks.config_paths`, whose checks with side effects
+run only when asked).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from vlmexp.config.checks import check_names, check_reward_imports, check_sections, check_trl_config
+from vlmexp.checks.rules import check_names, check_reward_imports, check_sections, check_trl_config
 from vlmexp.config.compose import EXTENDS, origin_of, read_composed
 from vlmexp.config.schema import Config
 from vlmexp.config.yaml_reader import Loc, YamlProblems, parse_yaml
@@ -66,7 +67,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
         found += ((check_trl_config(cfg) if check_trl else [])
                   + (check_reward_imports(cfg) if import_rewards else []))
     if cfg is not None and check_paths:
-        from vlmexp.config.path_checks import check_config_paths
+        from vlmexp.checks.config_paths import check_config_paths
 
         found += check_config_paths(cfg)
     problems += [Problem(where(loc), _dotted(loc), message, value) for loc, value, message in found
