@@ -48,6 +48,9 @@ class Settings:
     bucket: int  # prompts are left-padded to a multiple of this many tokens (1: the batch's longest prompt)
 
 
+EAGER = Settings(compile=False, cache="dynamic", bucket=1)  # transformers' defaults: what no section changes
+
+
 def resolve(section: GenerationConfig, device_type: str | None = None) -> Settings:
     """The settings `section` means on `device_type` (default: cuda when CUDA is available, else cpu)."""
     if device_type is None:
@@ -208,12 +211,13 @@ def with_image_parts(messages: list[dict], images: int) -> list[dict]:
 @dataclass
 class Generator:
     """Generates completions for chat prompts with their images, as the `generation:` section says; counts the
-    compilations of every call."""
+    compilations of every call. `family` None: a text-only model, with its tokenizer as the processor (a
+    local judge), whose prompts go to its chat template as they are."""
 
     model: Any
     processor: Any
-    family: Any  # vlmexp.families.Family
-    settings: Settings
+    family: Any  # vlmexp.families.Family, or None
+    settings: Settings = EAGER
     count: CompileCount = field(default_factory=CompileCount)
 
     @classmethod
@@ -227,31 +231,36 @@ class Generator:
     def __call__(self, prompts: list[list[dict]], images: list[list], max_new_tokens: int, temperature: float,
                  batch_size: int) -> list[str]:
         """Completions for `prompts`, `batch_size` at a time, left-padded (to the bucket); the family's vision
-        tokens are never generated; temperature 0 is greedy."""
+        tokens are never generated; temperature 0 is greedy. The chat template writes the special tokens (the
+        tokenizer adds none, as in TRL's generation)."""
         import torch
 
         from vlmexp.modeling import vision_token_ids
 
-        tokenizer = self.processor.tokenizer
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
         tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:  # a causal model's tokenizer may have none: pad with its end token
+            tokenizer.pad_token = tokenizer.eos_token
         sampling = ({"do_sample": True, "temperature": temperature} if temperature > 0
                     else {"do_sample": False})
         sampling.update(generation_config_kwargs(self.settings, self.model.device.type))
+        if self.family is not None:
+            sampling["suppress_tokens"] = vision_token_ids(self.processor, self.family)
         padding = {"pad_to_multiple_of": self.settings.bucket} if self.settings.bucket > 1 else {}
         out: list[str] = []
         for start in range(0, len(prompts), batch_size):
             batch_prompts, batch_images = prompts[start:start + batch_size], images[start:start + batch_size]
-            texts = [self.processor.apply_chat_template(with_image_parts(m, len(imgs)), tokenize=False,
-                                                        add_generation_prompt=True)
-                     for m, imgs in zip(batch_prompts, batch_images, strict=True)]
-            inputs = self.processor(text=texts, images=[im for imgs in batch_images for im in imgs] or None,
-                                    padding=True, return_tensors="pt", **padding).to(self.model.device)
+            texts = [self.processor.apply_chat_template(
+                m if self.family is None else with_image_parts(m, len(imgs)), tokenize=False,
+                add_generation_prompt=True) for m, imgs in zip(batch_prompts, batch_images, strict=True)]
+            flat = [im for imgs in batch_images for im in imgs]
+            inputs = self.processor(text=texts, **({"images": flat} if flat else {}), padding=True,
+                                    add_special_tokens=False, return_tensors="pt", **padding)
+            inputs = inputs.to(self.model.device)
             with torch.inference_mode():
                 generated = counted_generate(self.model, self.model.generate, self.count, **inputs,
                                              max_new_tokens=max_new_tokens,
-                                             pad_token_id=tokenizer.pad_token_id,
-                                             suppress_tokens=vision_token_ids(self.processor, self.family),
-                                             **sampling)
+                                             pad_token_id=tokenizer.pad_token_id, **sampling)
             out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:],
                                           skip_special_tokens=True)
         return out

@@ -1,5 +1,6 @@
 """Every way a model is loaded: where a config's model lives, pretrained weights, LoRA adapters (merged or
-trained on), freezing, the vision token ids generation must suppress, and loading for inference.
+trained on), freezing, the vision token ids generation must suppress, loading for inference, and a model
+folder a reward generates with (`load_chat_model`: a local judge).
 
 Training (vlmexp/train/), evaluation and export all load through here, so none of them imports another.
 """
@@ -205,3 +206,26 @@ def load_for_inference(cfg: Config, model_path: str):
     processor = load_processor(model_path, family, cfg.model.image_knobs,
                                trust_remote_code=cfg.model.trust_remote_code)
     return model, processor, family
+
+
+def load_chat_model(folder: str, trust_remote_code: bool):
+    """(model, processor, family) of a local model folder that answers chat prompts, read as its config.json
+    says: a vlmexp family's model class and processor (the processor's own image budget), else a causal
+    language model with its tokenizer as the processor and family None; in eval mode on this process's device
+    (accelerate's PartialState)."""
+    import transformers
+    from accelerate import PartialState
+
+    from vlmexp.processor import load_processor
+
+    model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    if model_type in FAMILIES:
+        family = get_family(model_type)
+        model = getattr(transformers, family.model_class).from_pretrained(folder,
+                                                                          trust_remote_code=trust_remote_code)
+        processor = load_processor(folder, family, {}, trust_remote_code=trust_remote_code)
+    else:
+        family = None
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        processor = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return model.to(PartialState().device).eval(), processor, family

@@ -152,15 +152,18 @@ class JudgeReward(ModelReward):
         return client.complete([self.conversation(t, p) for t, p in zip(texts, images, strict=True)])
 
     def ask_local(self, texts: list[str], images: list[str]) -> tuple[list[str], int]:
-        """Greedy replies of the local judge model, `batch_size` prompts per generate call."""
+        """Greedy replies of the local judge model through the generation engine (`vlmexp.generation`),
+        `batch_size` prompts per generate call."""
+        from vlmexp.generation import Generator
         from vlmexp.prompts import load_images
 
-        model, processor, vision = local_judge(self.model, self.trust_remote_code)
+        model, processor, family = local_judge(self.model, self.trust_remote_code)
         system = [{"role": "system", "content": self.system}] if self.system else []
         prompts = [[*system, {"role": "user", "content": t}] for t in texts]
-        pictures = [load_images([p]) if self.images and p and vision else [] for p in images]
-        return generate_replies(model, processor, prompts, pictures, self.max_tokens, self.batch_size), \
-            -(-len(prompts) // self.batch_size)
+        pictures = [load_images([p]) if self.images and p and family is not None else [] for p in images]
+        generate = Generator(model, processor, family)
+        calls = -(-len(prompts) // self.batch_size)
+        return generate(prompts, pictures, self.max_tokens, 0.0, self.batch_size), calls
 
     def check_batch(self, unreadable, scored: int) -> None:
         if scored and len(unreadable) > self.max_unparsable * scored:
@@ -173,65 +176,16 @@ class JudgeReward(ModelReward):
 
 
 def local_judge(folder: str, trust_remote_code: bool):
-    """(model, processor or tokenizer, takes images) of a local judge folder, loaded once per process on its
-    device."""
-    key = (folder, trust_remote_code)
-    if key not in _LOCAL:
-        _LOCAL[key] = _load_local(folder, trust_remote_code)
-    return _LOCAL[key]
-
-
-def _load_local(folder: str, trust_remote_code: bool):
-    import json
+    """(model, processor or tokenizer, family or None for a text-only model) of a local judge folder, loaded
+    once per process on its device (`vlmexp.modeling.load_chat_model`)."""
     from pathlib import Path
 
-    import transformers
-    from accelerate import PartialState
+    from vlmexp.modeling import load_chat_model
 
-    from vlmexp.families import FAMILIES, get_family
-    from vlmexp.processor import load_processor
-
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        raise ModelRewardError(f"judge: {config} not found; kwargs.model must be a local model folder, "
-                               "or set kwargs.endpoint to ask a served model")
-    model_type = json.loads(config.read_text()).get("model_type")  # a local folder: the judge runs offline
-    device = PartialState().device
-    if model_type in FAMILIES:  # a vision-language model of a vlmexp family, with the family's processor
-        family = get_family(model_type)
-        model = getattr(transformers, family.model_class).from_pretrained(folder,
-                                                                          trust_remote_code=trust_remote_code)
-        processor = load_processor(folder, family, {}, trust_remote_code=trust_remote_code)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        processor = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    return model.to(device).eval(), processor, model_type in FAMILIES
-
-
-def generate_replies(model, processor, prompts: list[list[dict]], images: list[list], max_new_tokens: int,
-                     batch_size: int) -> list[str]:
-    """Greedy replies to chat prompts in left-padded batches; `images[i]`: prompt i's images (put before its
-    last user turn's text), through `processor`, a vision-language processor or a causal model's tokenizer."""
-    import torch
-
-    tokenizer = getattr(processor, "tokenizer", processor)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        batch, pictures = prompts[start:start + batch_size], images[start:start + batch_size]
-        texts = [processor.apply_chat_template(
-            [*p[:-1], {**p[-1], "content": [*({"type": "image"} for _ in ims),
-                                            {"type": "text", "text": p[-1]["content"]}]}]
-            if ims else p, tokenize=False, add_generation_prompt=True)
-                 for p, ims in zip(batch, pictures, strict=True)]
-        flat = [im for ims in pictures for im in ims]
-        extra = {"images": flat} if flat else {}
-        inputs = processor(text=texts, return_tensors="pt", padding=True, add_special_tokens=False, **extra)
-        inputs = inputs.to(model.device)
-        with torch.inference_mode():
-            generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                       pad_token_id=tokenizer.pad_token_id)
-        out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    return out
+    key = (folder, trust_remote_code)
+    if key not in _LOCAL:
+        if not (Path(folder) / "config.json").is_file():  # a local folder: the judge runs offline
+            raise ModelRewardError(f"judge: {Path(folder) / 'config.json'} not found; kwargs.model must be a "
+                                   "local model folder, or set kwargs.endpoint to ask a served model")
+        _LOCAL[key] = load_chat_model(folder, trust_remote_code)
+    return _LOCAL[key]
