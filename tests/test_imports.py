@@ -94,9 +94,10 @@ FLOORS = (
     ("vlmexp.prompts", "vlmexp.pictures", "vlmexp.modeling"),
     # the one generation engine
     ("vlmexp.generation",),
-    # rewards computed by a model (a judge generates through the engine)
+    # rewards computed by a model (a judge generates through the engine); they build on vlmexp.rewards' base
     ("vlmexp.model_rewards",),
-    # a config's reward entry -> a callable: the registry of rule-based and model rewards together
+    # a config's reward entry -> a callable: the one registry (REWARDS) joins the rule-based rewards' and the
+    # model rewards' from above both, so neither reward package knows the loader
     ("vlmexp.rewards_loader",),
     # loading a config with its checks (reward names, data sources, paths); scoring completions
     ("vlmexp.checks", "vlmexp.scoring"),
