@@ -302,14 +302,3 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str],
         for j, score in enumerate(reward(prompts=[prompt] * n, completions=completions, **columns)):
             totals[j] += weight * (score or 0.0)
     return totals
-
-
-def log_compile_count(count: CompileCount, run=None, step: int | None = None) -> dict[str, float]:
-    """The compile count's metrics, logged to the active MLflow run when `run` is given (a StageRun or
-    True)."""
-    metrics = count.metrics()
-    if run:
-        import mlflow
-
-        mlflow.log_metrics(metrics, step=step)
-    return metrics

@@ -64,12 +64,9 @@ def kept_rows(inputs, args) -> list[int]:
     with state.main_process_first():
         if state.is_main_process and not path.is_file():
             summary = write_filtered(inputs, args, path)
-            if inputs.run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"difficulty/{k}": v for k, v in summary.items()
+            inputs.run.log_metrics({f"difficulty/{k}": v for k, v in summary.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
-                mlflow.log_artifact(str(path), "difficulty")
+            inputs.run.log_artifact(path, "difficulty")
     return json.loads(path.read_text())["kept_rows"]
 
 
@@ -77,7 +74,7 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     """Sample, judge each prompt's group, write the counts and the kept rows; refuse when none is kept."""
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
-    from vlmexp.generation import log_compile_count, sample_and_score
+    from vlmexp.generation import sample_and_score
     from vlmexp.processor import prefills_think
 
     cfg, opts = inputs.cfg, inputs.cfg.grpo.difficulty_filter
@@ -90,7 +87,7 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
                                            rewards, opts.num_samples, temperature, max_new_tokens,
                                            opts.batch_size, prefills_think(inputs.processor))
-    log_compile_count(compiled, inputs.run)
+    inputs.run.log_metrics(compiled.metrics())
     verdicts = [verdict(scores, opts) for _, scores in groups]
     counts = {v: verdicts.count(v) for v in ("kept", "zero_std", "low", "high")}
     summary = {"prompts": len(records), "kept": counts["kept"], "dropped_zero_std": counts["zero_std"],
