@@ -1,5 +1,6 @@
-"""The Trainer callbacks through which a stage process logs to its run (`vlmexp.tracking.stage_run`): each
-checkpoint and the final model as logged models (`CheckpointModels`), the reward under the name that opens the
+"""The Trainer callbacks through which a stage process logs to its run (`vlmexp.tracking.stage_run`): the
+Trainer's params and logs (`TrainerLogs`, in place of transformers' MLflowCallback), each checkpoint and the
+final model as logged models (`CheckpointModels`), the reward under the name that opens the
 run page (`HeadlineMetrics`), GRPO's completion tables (`CompletionTable`), generation's compile count
 (`CompileCountLog`), and the steps a resume must not log twice (`SkipLoggedSteps`). Imported inside the stage
 entry points (transformers is heavy)."""
@@ -14,6 +15,45 @@ from transformers import TrainerCallback
 from vlmexp.tracking.stage_run import StageRun
 
 log = logging.getLogger("vlmexp.train")
+MAX_PARAM_CHARS = 6000  # MLflow's longest param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH)
+
+
+class TrainerLogs(TrainerCallback):
+    """What transformers' MLflowCallback logs, through the stage's run (so never waiting for the store): when
+    training begins the Trainer's arguments and the model's config as params (flattened; a value longer than
+    MLflow takes is left out, with a warning), and each log's numbers at the step it is logged (names MLflow
+    refuses sanitised, as that callback does). The Trainer reports to nothing itself (`report_to` none), so
+    TRL's per-call profiling timings, which it sends to an active MLflow run only, are not logged."""
+
+    def __init__(self, run: StageRun):
+        self.run, self.dropped = run, set()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from transformers.utils.generic import flatten_dict
+
+        params = args.to_dict()
+        if getattr(model, "config", None) is not None:
+            params = {**model.config.to_dict(), **params}
+        params = flatten_dict(params)
+        if long := sorted(k for k, v in params.items() if len(str(v)) > MAX_PARAM_CHARS):
+            log.warning("params longer than MLflow takes, not logged: %s", ", ".join(long))
+        self.run.log_params({k: v for k, v in params.items() if k not in long})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        numbers = {}
+        for key, value in logs.items():
+            if hasattr(value, "numel") and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, (int, float)):
+                numbers[key] = value
+            elif key not in self.dropped:
+                self.dropped.add(key)
+                log.warning("%s is a %s, not a number: not logged to MLflow", key, type(value).__name__)
+        self.run.log_metrics(numbers, state.global_step)
 
 
 class SkipLoggedSteps(TrainerCallback):

@@ -3,8 +3,8 @@ stage, registered models and their champion alias.
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
 in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
-and makes it its active run in the config's store (`vlmexp.tracking.stage_run`), where transformers'
-MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker`; both are `Tracker`s.
+and logs into it through its one logger (`vlmexp.tracking.stage_run`), TRL's step metrics included.
+`tracking.backend: none` gives a `NullTracker`; both are `Tracker`s.
 """
 
 from __future__ import annotations

@@ -81,6 +81,12 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
+    if state.is_main_process and not (stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(stage_dir):
+        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here before anything
+        # is written into it (the run's spool first), so a re-run after a crash may resume in it; the config
+        # check refused a folder of the user's before any work
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        mark_folder(stage_dir, f"{stage} stage")
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else NullStageRun()
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
                        data.train, resume_from, run, data.val)
@@ -104,7 +110,8 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
     cfg = inputs.cfg
     pipeline = dict(seed=cfg.run.seed, run_name=f"{cfg.run.name}-{inputs.stage}",
                     trust_remote_code=cfg.model.trust_remote_code,  # also governs GRPO's reference model
-                    report_to=["mlflow"] if cfg.tracking.backend == "mlflow" else [], **stage_args)
+                    # the stage's run logs what the Trainer reports (vlmexp.tracking.callbacks.TrainerLogs)
+                    report_to=[], **stage_args)
     if cfg.launch.deepspeed:
         pipeline["deepspeed"] = cfg.launch.deepspeed
         no_shared_memory_op_on_cpu()
@@ -166,17 +173,11 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
     run = inputs.run
-    if (trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file()
-            and not made_by_vlmexp(inputs.stage_dir)):
-        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here, so a re-run after
-        # a crash may resume in it; the config check refused a folder of the user's before any work
-        inputs.stage_dir.mkdir(parents=True, exist_ok=True)
-        mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     from vlmexp.train.validation import add_validation, write_summary
 
     # eval.every_steps; refuses what it cannot run before any step
     validation = add_validation(trainer, inputs)
-    from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics, SkipLoggedSteps
+    from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics, SkipLoggedSteps, TrainerLogs
 
     if inputs.resume_from and run.enabled:
         last = run.last_logged_step()
@@ -186,25 +187,26 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     # each checkpoint and final/ as a logged model of the run; the reward's headline chart
     models = CheckpointModels(run)
     if run.enabled:
+        trainer.add_callback(TrainerLogs(run))
         trainer.add_callback(models)
-        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback
+        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before TrainerLogs
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
+        final = inputs.stage_dir / "final"
+        trainer.save_model(str(final))
+        if trainer.args.should_save:
+            inputs.processor.save_pretrained(str(final))
+            if validation is not None:
+                write_summary(trainer.state, inputs.cfg, inputs.stage_dir)
+            (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
+        models.log_final(final, trainer.state.global_step)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
         run.close("KILLED")
         raise
     except BaseException:
         run.close("FAILED")
         raise
-    run.close("FINISHED")
-    final = inputs.stage_dir / "final"
-    trainer.save_model(str(final))
-    if trainer.args.should_save:
-        inputs.processor.save_pretrained(str(final))
-        if validation is not None:
-            write_summary(trainer.state, inputs.cfg, inputs.stage_dir)
-        (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
-    models.log_final(final, trainer.state.global_step)
+    run.close("FINISHED")  # waits a bounded time for the records the store has not taken yet
     return final
 
 

@@ -5,7 +5,8 @@ Every `eval.every_steps` optimizer steps, and at the last step, the stage proces
 (`vlmexp.generation.Generator`, as the `generation:` section says, and `score_records`, the reward objects
 training uses), then logs `val/<metric>` at
 that step through the Trainer's callbacks, as the Trainer logs its own metrics: into the stage's MLflow run
-(transformers' MLflowCallback) and trainer_state.json's log history. That is EasyR1's `trainer.val_freq`
+(`vlmexp.tracking.callbacks.TrainerLogs`) and trainer_state.json's log history. That is EasyR1's
+`trainer.val_freq`
 (hiyouga/EasyR1 verl/trainer/ray_trainer.py, `_validate`). With `eval.during_training_n` N > 1 each record
 gets N samples at `eval.during_training_temperature`, logged as `val/<metric>/mean_at_N` (the metric of each
 of the N sample sets, averaged) and `val/<metric>/best_at_N` (the metric of each record's best-scoring
