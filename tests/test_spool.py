@@ -1,7 +1,7 @@
 """The stage run's spool (vlmexp.tracking.spool) against a real `mlflow server`: a stage process killed with
 SIGKILL while the server is down loses nothing it logged, and what it kept is sent once, in order, by the
 next process that opens the same run (a resume); a record sent again after a crash between sending and
-marking it sent is taken once."""
+marking it sent is taken once; the end of a run sends every record logged before it."""
 
 from __future__ import annotations
 
@@ -107,3 +107,23 @@ def test_a_stage_killed_during_an_outage_sends_its_spool_once_when_resumed(tmp_p
             "difficulty/difficulty-9.json") == 1
     finally:
         kill_server(server)
+
+
+def test_close_sends_every_record_logged_just_before_it(tmp_path):
+    """The sender's last pass starts after the run's last record (its end): whatever was appended while it
+    was sending is sent too. Five runs against a sqlite store, each logging 20 steps then closing at once."""
+    from mlflow.tracking import MlflowClient
+
+    from vlmexp.tracking.stage_run import MlflowStageRun
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("close", str(tmp_path / "artifacts"))
+    for attempt in range(5):
+        run_id = client.create_run(experiment).info.run_id
+        run = MlflowStageRun(uri, run_id, tmp_path / f"stage{attempt}", "close")
+        for step in range(1, 21):
+            run.log_metrics({f"k{i}": step for i in range(40)}, step)
+        run.close("FINISHED")
+        assert [m.step for m in client.get_metric_history(run_id, "k39")] == list(range(1, 21)), attempt
+        assert client.get_run(run_id).info.status == "FINISHED"

@@ -100,6 +100,7 @@ class Sender:
         failures = 0
         while not self.abandoned.is_set():
             self.wake.clear()
+            last = self.stopping.is_set()  # set after the last record: this pass sees every record
             try:
                 for folder in run_folders(self.spool_dir):
                     self.senders.setdefault(folder, RunSender(folder)).send_all()
@@ -118,7 +119,7 @@ class Sender:
             if failures:
                 log.info("MLflow answers again: the records kept while it did not are sent")
             failures = 0
-            if self.stopping.is_set():
+            if last:
                 return
             self.wake.wait(1)
 

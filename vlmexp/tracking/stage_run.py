@@ -10,6 +10,7 @@ time nor a metric."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -99,8 +100,16 @@ class MlflowStageRun(StageRun):
         self.uri, self.run_id = uri, run_id
         self.spool = Spool(stage_dir / SPOOL_DIR / run_id, uri)
         self.sender = Sender(stage_dir / SPOOL_DIR)  # first sends what an earlier process left unsent
-        self.monitor = None
+        self.monitor, self.closed = None, False
         self.record("the run's start", lambda: {"t": "open", "name": name})
+        atexit.register(self.send_at_exit)
+
+    def send_at_exit(self) -> None:
+        """A process that ends before `close` (a refusal after the run opened, say the difficulty filter's)
+        gives the sender a few seconds for what it logged; the rest waits on disk."""
+        if not self.closed and (left := self.sender.finish(CLOSE_SECONDS["FAILED"])):
+            log.warning("%d MLflow records stay in %s for the next start of this stage", left,
+                        self.spool.folder)
 
     def record(self, what: str, make) -> None:
         """Append the record `make()` builds (copying its files into the spool) and wake the sender."""
@@ -182,6 +191,7 @@ class MlflowStageRun(StageRun):
         """Record the run's end and give the sender a bounded time to send what is left; what a store that
         does not answer did not take stays on disk for the next start of the stage or the pipeline's next
         step."""
+        self.closed = True
         if self.monitor is not None:
             self.monitor.finish()
         self.record(f"the run's end ({status})", lambda: {"t": "end", "status": status, "ts": now_ms()})
