@@ -21,6 +21,7 @@ from conftest import SMALL_BATCHES
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 SAVE_STEPS, MAX_STEPS = 2, 10
+OUTAGE_STEPS = 20
 GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4",
         f"grpo.args.max_steps={MAX_STEPS}", f"grpo.args.save_steps={SAVE_STEPS}", "grpo.args.logging_steps=1",
         "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
@@ -133,57 +134,85 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefec
             and (out / "export" / "manifest.json").is_file())
 
 
-def test_mlflow_server_lost_mid_run_training_finishes(tmp_path):
-    """A real MLflow server, killed once GRPO has written checkpoint-4: training goes on to max_steps and
-    saves its model; the lost logging is reported as warnings."""
-    import socket
+def _step_seconds(history, start: float, end: float) -> list[float]:
+    """The time each step took (its log's timestamp minus the previous step's) for the steps logged between
+    `start` and `end` (epoch seconds)."""
+    points = sorted((m.step, m.timestamp / 1000) for m in history)
+    return [t - before for (_, before), (_, t) in zip(points, points[1:], strict=False) if start <= before and
+            t <= end]
+
+
+def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a_metric(tmp_path):
+    """A real MLflow server, SIGKILLed once GRPO has written checkpoint-4 and started again on the same
+    port and store once checkpoint-12 is written and at least 12 s have passed, six times the client's retry
+    budget (about 2 s here): the steps during the outage take about as long as those before it, the stage
+    ends 0, and afterwards every step of every metric, the completion tables and validation images logged
+    during the outage, and the system metric samples are in the run, each once and in order."""
+    import statistics
     import time
-    import urllib.request
+
+    from mlflow.tracking import MlflowClient
+    from mlflow_server import free_port, kill_server, start_server
 
     from vlmexp.tracking.tracker import MlflowTracker
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    def wait_for(step: int) -> None:
+        while not (tmp_path / "grpo" / f"checkpoint-{step}" / "trainer_state.json").is_file():
+            assert train.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
-                               str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                               "--workers", "1",
-                               "--default-artifact-root", str(tmp_path / "artifacts")],
-                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = start_server(tmp_path, port)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "MLflow server did not start"
-                time.sleep(0.5)
         tracker = MlflowTracker(uri, "faults", (tmp_path / "artifacts").as_uri())
         run_id = tracker.start_pipeline("stage", {}, {})
         log = tmp_path / "train.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
-               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fail fast
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}  # a retry budget of about 2 s
         train = subprocess.Popen([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config",
                                   "configs/demo.yaml", "--mlflow-run-id", run_id,
                                   f"tracking.tracking_uri={uri}", f"run.output_dir={tmp_path}", *GRPO[:3],
-                                  "grpo.args.max_steps=12",
-                                  "grpo.args.save_steps=4", *GRPO[5:], "tracking.completions_every=2"],
+                                  f"grpo.args.max_steps={OUTAGE_STEPS}", "grpo.args.save_steps=4", *GRPO[5:],
+                                  "tracking.completions_every=3", "tracking.system_metrics_seconds=0.5",
+                                  "eval.every_steps=10", "eval.during_training_samples=2",
+                                  "eval.during_training_pictures=1", "eval.max_new_tokens=8"],
                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-        while not (tmp_path / "grpo" / "checkpoint-4" / "trainer_state.json").is_file():
-            assert train.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for(4)
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-    train.wait(timeout=600)
-    stderr = log.read_text()
-    assert train.returncode == 0, stderr[-3000:]
-    state = json.loads((tmp_path / "grpo" / "checkpoint-12" / "trainer_state.json").read_text())
-    assert state["global_step"] == 12 and (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
-    assert "MLflow store unreachable" in stderr and "MLflow could not close the run" in stderr
+        kill_server(server)
+    down = time.time()
+    try:
+        wait_for(12)
+        time.sleep(max(0.0, down + 12 - time.time()))
+        back = time.time()  # the server's start (seconds of CPU) is not counted as outage
+        server = start_server(tmp_path, port)
+        train.wait(timeout=600)
+        stderr = log.read_text()
+        assert train.returncode == 0, stderr[-3000:]
+        assert "MLflow store does not answer" in stderr and "MLflow answers again" in stderr, stderr[-3000:]
+        client = MlflowClient(uri)
+        loss = client.get_metric_history(run_id, "loss")
+        before, during = _step_seconds(loss, 0, down), _step_seconds(loss, down, back)
+        assert len(during) >= 6 and len(before) >= 2, (before, during)
+        assert statistics.median(during) <= 2 * statistics.median(before), (before, during)
+        for key in ("loss", "reward", "Summary/reward", "rewards/rewards_for_tests:char_variety/mean"):
+            steps = [m.step for m in client.get_metric_history(run_id, key)]
+            assert steps == list(range(1, OUTAGE_STEPS + 1)), (key, steps)
+        system = [m.step for m in client.get_metric_history(run_id, "system/cpu_utilization_percentage")]
+        assert system == list(range(len(system))) and len(system) > (back - down) / 0.5 / 2, system
+        in_outage = [m.step for m in loss if down <= m.timestamp / 1000 <= back]
+        tables = {a.path for a in client.list_artifacts(run_id, "completions")}
+        assert {f"completions/step_{s:06d}.json" for s in in_outage if s % 3 == 0} <= tables, (
+            in_outage, tables)
+        images = [a.path for a in client.list_artifacts(run_id, "images") if a.path.endswith(".png")]
+        assert sorted(int(p.split("+")[2]) for p in images) == [10, 20], images
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert not list((tmp_path / "grpo" / "mlflow_spool" / run_id / "files").iterdir())  # all sent
+    finally:
+        train.kill()
+        kill_server(server)
 
 
 def test_a_resume_skips_the_training_steps_in_mlflow_not_the_system_metric_samples(tmp_path):

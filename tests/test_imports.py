@@ -159,3 +159,21 @@ def test_no_training_stage_imports_another():
     for stage in stages:
         others = graph[stage] & (set(stages) - {stage})
         assert not others, (stage, others)
+
+
+def test_only_the_tracking_package_imports_mlflow():
+    """The library, the flows and the tasks reach MLflow through vlmexp.tracking alone (the pipeline's
+    tracker, the stage process's run), so one guard decides what an unreachable store costs."""
+    root = LIBRARY.parent
+    found = {}
+    for folder in ("vlmexp", "flows", "tasks"):
+        for path in (root / folder).rglob("*.py"):
+            if path.is_relative_to(LIBRARY / "tracking"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "mlflow" or n.startswith("mlflow.") for n in names):
+                    found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
+    assert (LIBRARY / "tracking" / "stage_run.py").is_file()
+    assert not found, f"modules outside vlmexp/tracking/ that import mlflow: {found}"

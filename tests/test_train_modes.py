@@ -129,7 +129,8 @@ def test_freeze_vision_keeps_the_tower_fixed_and_trains_the_merger(tmp_path):
 
 
 def test_resume_continues_from_the_newest_complete_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
-    from vlmexp.train.callbacks import StopAtStep
+    from stop_at_step import StopAtStep
+
     from vlmexp.train.sft import run_sft
     from vlmexp.train.stage import last_checkpoint
 

@@ -161,7 +161,8 @@ def test_grpo_best_checkpoint_survives_rotation_and_resume(tmp_path):
     """Sampled validation (N 2) every 2 steps; stopped after step 4, resumed to 6. The best so far (step 2:
     the tiny random model scores 0 throughout, and a tie keeps the earlier step) survives the resume, and its
     checkpoint survives save_total_limit 2, which deletes checkpoint-4."""
-    from vlmexp.train.callbacks import StopAtStep
+    from stop_at_step import StopAtStep
+
     from vlmexp.train.grpo import run_grpo
 
     overrides = [f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",

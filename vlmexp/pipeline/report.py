@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmexp.tracking.tracker import NullTracker
+from vlmexp.tracking.tracker import Tracker
 
 
-def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: list,
+def log_evaluation_run(tracker: Tracker, parent_run_id: str, evaluations: list,
                        table: list[dict[str, Any]], dataset: str | Path | None = None,
                        headline: str | None = None, pictures: int = 0,
                        pictures_dir: str | Path | None = None) -> None:
@@ -43,7 +43,7 @@ def log_evaluation_run(tracker: NullTracker, parent_run_id: str, evaluations: li
     tracker.end(run_id)
 
 
-def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
+def log_headline(tracker: Tracker, run, metric: str) -> dict[str, float]:
     """The parent run's first charts (`tracker.HEADLINE`): `metric` of the newest model, and the reward (GRPO)
     or reward margin (DPO) of the last such stage at its last step. `run`: vlmexp.results.PipelineResult."""
     from vlmexp.tracking.tracker import HEADLINE, HEADLINE_REWARD
@@ -59,7 +59,7 @@ def log_headline(tracker: NullTracker, run, metric: str) -> dict[str, float]:
     return values
 
 
-def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
+def curve_keys(tracker: Tracker, run_id: str, stage: str) -> list[str]:
     """The metrics a stage's curve plot shows: each reward's mean and the total for GRPO, loss, margins and
     accuracies for DPO, the loss for SFT."""
     keys = tracker.metric_keys(run_id)
@@ -70,7 +70,7 @@ def curve_keys(tracker: NullTracker, run_id: str, stage: str) -> list[str]:
     return [k for k in keys if k == "loss"]
 
 
-def plot_curves(tracker: NullTracker, run_id: str, keys: list[str], out_png: str | Path,
+def plot_curves(tracker: Tracker, run_id: str, keys: list[str], out_png: str | Path,
                 title: str) -> Path | None:
     """A PNG of the metrics `keys` of `run_id` by step, or None when there is nothing to plot."""
     if not keys:

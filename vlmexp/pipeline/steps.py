@@ -32,6 +32,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.launch import stage_command
     from vlmexp.pipeline.report import curve_keys, plot_curves
+    from vlmexp.tracking.spool import send_spooled
     from vlmexp.tracking.tracker import make_tracker
 
     cfg = load_resolved(resolved)
@@ -57,6 +58,8 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
         tracker.end(run_id, "KILLED" if stopped else "FAILED")
         raise
     seconds = time.monotonic() - start
+    if tracker.enabled:  # what the stage's store did not take before the stage ended (the curves read it)
+        send_spooled(stage_dir)
     png = plot_curves(tracker, run_id, curve_keys(tracker, run_id, stage), stage_dir / "curves.png",
                       f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
     if png:

@@ -3,8 +3,8 @@ stage, registered models and their champion alias.
 
 Runs are addressed by id through `MlflowClient` (never the thread-local "active run"), so Prefect tasks
 in any thread log to the right run. A training subprocess is told its stage's child run id (an argument)
-and makes it its active run in the config's store (`vlmexp.tracking.stage_run`), where transformers'
-MLflowCallback logs TRL's step metrics. `tracking.backend: none` gives a `NullTracker` with the same methods.
+and logs into it through its one logger (`vlmexp.tracking.stage_run`), TRL's step metrics included.
+`tracking.backend: none` gives a `NullTracker`; both are `Tracker`s.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,87 @@ def store_uri(cfg: Config) -> str:
     return f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
 
 
-class NullTracker:
+class Tracker(ABC):
+    """What the pipeline's process records about a run, wherever it records it: runs addressed by id, their
+    params, metrics, tags and artifacts, the registered models and their alias. `NullTracker` (tracking
+    off) and `MlflowTracker` are its two kinds."""
+
+    enabled: bool
+    uri: str
+
+    @abstractmethod
+    def start_pipeline(self, name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
+        """A new top-level run; its id."""
+
+    @abstractmethod
+    def start_stage(self, parent_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
+        """A child run of `parent_id`; its id."""
+
+    @abstractmethod
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        """Params, secrets left out."""
+
+    @abstractmethod
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Scalars at `step` (0 when None)."""
+
+    @abstractmethod
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Tags, values as strings."""
+
+    @abstractmethod
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        """A file under `artifact_path`."""
+
+    @abstractmethod
+    def log_table(self, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows as an MLflow table."""
+
+    @abstractmethod
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        """Text as an artifact file."""
+
+    @abstractmethod
+    def log_datasets(self, run_id: str, manifests: Mapping[str, str | Path]) -> None:
+        """Sampled data as the run's dataset inputs."""
+
+    @abstractmethod
+    def end(self, run_id: str, status: str = "FINISHED") -> None:
+        """End the run with `status`."""
+
+    @abstractmethod
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """(step, value) of each point of `key`."""
+
+    @abstractmethod
+    def metric_keys(self, run_id: str) -> list[str]:
+        """The run's metric names, sorted."""
+
+    @abstractmethod
+    def run_link(self, run_id: str) -> str:
+        """Where to find the run."""
+
+    @abstractmethod
+    def register_model(self, run_id: str, folder: str | Path, name: str, tags: Mapping[str, str],
+                       metrics: Mapping[str, float] | None = None, dataset: str | Path | None = None,
+                       registration: Mapping[str, Any] | None = None) -> str:
+        """Register `folder` as a new version of `name`; the version."""
+
+    @abstractmethod
+    def log_evaluated_models(self, eval_run_id: str, models: Mapping[str, Mapping[str, float]],
+                             dataset: str | Path | None, headline: str | None = None) -> list[str]:
+        """Evaluation metrics onto the evaluated logged models; their ids."""
+
+    @abstractmethod
+    def champion(self, name: str, alias: str = "champion") -> tuple[str, dict[str, str]] | None:
+        """(version, tags) holding `alias`, or None."""
+
+    @abstractmethod
+    def set_alias(self, name: str, version: str, alias: str = "champion") -> None:
+        """Point `alias` at `version`."""
+
+
+class NullTracker(Tracker):
     """Tracking switched off: every call does nothing and returns empty values."""
 
     enabled = False
@@ -104,7 +185,7 @@ class NullTracker:
     def set_alias(self, name: str, version: str, alias: str = "champion") -> None: ...
 
 
-class MlflowTracker(NullTracker):
+class MlflowTracker(Tracker):
     enabled = True
 
     def __init__(self, uri: str, experiment: str, artifact_location: str):
@@ -290,7 +371,7 @@ def ui_address(host: str, port: int, uri: str = "", experiment: str = "") -> str
     return f"http://{host}:{port}/#{path}?{UI_MODEL_TRAINING}"
 
 
-def make_tracker(cfg: Config) -> NullTracker:
+def make_tracker(cfg: Config) -> Tracker:
     """The configured tracker; raises ConnectionError (with the fix) when the MLflow store is unusable."""
     if cfg.tracking.backend == "none":
         return NullTracker()

@@ -64,12 +64,9 @@ def kept_rows(inputs, args) -> list[int]:
     with state.main_process_first():
         if state.is_main_process and not path.is_file():
             summary = write_filtered(inputs, args, path)
-            if inputs.run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"difficulty/{k}": v for k, v in summary.items()
+            inputs.run.log_metrics({f"difficulty/{k}": v for k, v in summary.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
-                mlflow.log_artifact(str(path), "difficulty")
+            inputs.run.log_artifact(path, "difficulty")
     return json.loads(path.read_text())["kept_rows"]
 
 
@@ -78,7 +75,6 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
     from vlmexp.processor import prefills_think
-    from vlmexp.tracking.stage_run import log_stage_metrics
     from vlmexp.train.sampling import sample_and_score
 
     cfg, opts = inputs.cfg, inputs.cfg.grpo.difficulty_filter
@@ -91,7 +87,7 @@ def write_filtered(inputs, args, path: Path) -> dict[str, Any]:
     _, groups, compiled = sample_and_score(cfg, inputs.model_path, inputs.family, inputs.budget, records,
                                            rewards, opts.num_samples, temperature, max_new_tokens,
                                            opts.batch_size, prefills_think(inputs.processor))
-    log_stage_metrics(compiled.metrics(), inputs.run)
+    inputs.run.log_metrics(compiled.metrics())
     verdicts = [verdict(scores, opts) for _, scores in groups]
     counts = {v: verdicts.count(v) for v in ("kept", "zero_std", "low", "high")}
     summary = {"prompts": len(records), "kept": counts["kept"], "dropped_zero_std": counts["zero_std"],

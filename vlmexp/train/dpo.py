@@ -88,7 +88,6 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
     """Sample, score and pair; write the pairs (with scores) to `path` and a summary beside it."""
     from vlmexp.data.record import read_sampled
     from vlmexp.files import atomic_write
-    from vlmexp.tracking.stage_run import log_stage_metrics
     from vlmexp.train.sampling import sample_and_score
 
     cfg, opts = inputs.cfg, inputs.cfg.dpo.pairs
@@ -98,7 +97,7 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
         cfg, inputs.model_path, inputs.family, inputs.budget, records,
         [(r.name, r.kwargs, r.weight) for r in cfg.grpo.rewards], k,
         opts.temperature, opts.max_new_tokens, opts.batch_size)
-    log_stage_metrics(compiled.metrics(), inputs.run)
+    inputs.run.log_metrics(compiled.metrics())
     pairs = []
     for i, record in enumerate(records):
         texts, scores = groups[i]

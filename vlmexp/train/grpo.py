@@ -27,7 +27,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
     from vlmexp.scoring import build_scorers
-    from vlmexp.train.callbacks import CompileCountLog, CompletionTable
+    from vlmexp.tracking.callbacks import CompileCountLog, CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad
 
@@ -60,7 +60,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         0, CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
     # the table's boxes
     scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)
-    trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every,
+    trainer.add_callback(CompletionTable(trainer, inputs.run, cfg.tracking.completions_every,
                                          cfg.tracking.completions_per_table, scorers))
     return trainer, inputs, len(train_dataset)
 

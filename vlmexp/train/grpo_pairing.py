@@ -150,7 +150,7 @@ class GuardedGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         # the record's image, solution, task and sizes as completion-table columns (TRL's log_extra, flushed
         # with the batch): the table draws each completion's boxes from them
-        # (vlmexp.train.callbacks.CompletionTable)
+        # (vlmexp.tracking.callbacks.CompletionTable)
         for column, key in (("image", "image_path"), ("solution", "solution"), ("task", "task"),
                             ("method", "accu_reward_method"), ("image_sizes", "image_sizes")):
             self._log_completion_extra(column, [x.get(key) for x in inputs])

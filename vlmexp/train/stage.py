@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from vlmexp.config.stages import StageConfig
 from vlmexp.families import Family
 from vlmexp.files import made_by_vlmexp, mark_folder
 from vlmexp.paths import KEY_FILE
-from vlmexp.tracking.stage_run import StageRun, close_stage_run, open_stage_run
+from vlmexp.tracking.stage_run import NullStageRun, StageRun, open_stage_run
 
 log = logging.getLogger("vlmexp.train")
 
@@ -38,7 +38,7 @@ class StageInputs:
     budget: Any
     train_path: Path
     resume_from: str | None  # newest complete checkpoint of this stage when resuming, else None
-    run: StageRun | None = None  # None: tracking off, or not the process that logs
+    run: StageRun = field(default_factory=NullStageRun)  # logs nothing: tracking off, or not rank 0
     val_path: Path | None = None  # the sampled held-out records (validation during training), None when none
 
     @property
@@ -81,7 +81,13 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
-    run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
+    if state.is_main_process and not (stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(stage_dir):
+        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here before anything
+        # is written into it (the run's spool first), so a re-run after a crash may resume in it; the config
+        # check refused a folder of the user's before any work
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        mark_folder(stage_dir, f"{stage} stage")
+    run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else NullStageRun()
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
                        data.train, resume_from, run, data.val)
 
@@ -104,7 +110,8 @@ def trl_args(inputs: StageInputs, **stage_args: Any):
     cfg = inputs.cfg
     pipeline = dict(seed=cfg.run.seed, run_name=f"{cfg.run.name}-{inputs.stage}",
                     trust_remote_code=cfg.model.trust_remote_code,  # also governs GRPO's reference model
-                    report_to=["mlflow"] if cfg.tracking.backend == "mlflow" else [], **stage_args)
+                    # the stage's run logs what the Trainer reports (vlmexp.tracking.callbacks.TrainerLogs)
+                    report_to=[], **stage_args)
     if cfg.launch.deepspeed:
         pipeline["deepspeed"] = cfg.launch.deepspeed
         no_shared_memory_op_on_cpu()
@@ -166,49 +173,40 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
     run = inputs.run
-    if (trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file()
-            and not made_by_vlmexp(inputs.stage_dir)):
-        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here, so a re-run after
-        # a crash may resume in it; the config check refused a folder of the user's before any work
-        inputs.stage_dir.mkdir(parents=True, exist_ok=True)
-        mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     from vlmexp.train.validation import add_validation, write_summary
 
     # eval.every_steps; refuses what it cannot run before any step
     validation = add_validation(trainer, inputs)
-    if inputs.resume_from and run is not None:
-        from vlmexp.tracking.stage_run import last_logged_step
-        from vlmexp.train.callbacks import SkipLoggedSteps
+    from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics, SkipLoggedSteps, TrainerLogs
 
-        last = last_logged_step(run.uri, run.run_id)
+    if inputs.resume_from and run.enabled:
+        last = run.last_logged_step()
         log.info("resuming: steps up to %d are already in MLflow run %s and are not logged again", last,
                  run.run_id)
         trainer.callback_handler.callbacks.insert(0, SkipLoggedSteps(last))
-    models = None
     # each checkpoint and final/ as a logged model of the run; the reward's headline chart
-    if run is not None:
-        from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics
-
-        trainer.add_callback(models := CheckpointModels(run))
-        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before MLflowCallback
+    models = CheckpointModels(run)
+    if run.enabled:
+        trainer.add_callback(TrainerLogs(run))
+        trainer.add_callback(models)
+        trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before TrainerLogs
     try:
         trainer.train(resume_from_checkpoint=inputs.resume_from)
+        final = inputs.stage_dir / "final"
+        trainer.save_model(str(final))
+        if trainer.args.should_save:
+            inputs.processor.save_pretrained(str(final))
+            if validation is not None:
+                write_summary(trainer.state, inputs.cfg, inputs.stage_dir)
+            (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
+        models.log_final(final, trainer.state.global_step)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the command line raises it): stopped, not failed
-        close_stage_run(run, "KILLED")
+        run.close("KILLED")
         raise
     except BaseException:
-        close_stage_run(run, "FAILED")
+        run.close("FAILED")
         raise
-    close_stage_run(run, "FINISHED")
-    final = inputs.stage_dir / "final"
-    trainer.save_model(str(final))
-    if trainer.args.should_save:
-        inputs.processor.save_pretrained(str(final))
-        if validation is not None:
-            write_summary(trainer.state, inputs.cfg, inputs.stage_dir)
-        (inputs.stage_dir / "peak_memory.json").write_text(json.dumps(peak_memory()) + "\n")
-    if models is not None:
-        models.log_final(final, trainer.state.global_step)
+    run.close("FINISHED")  # waits a bounded time for the records the store has not taken yet
     return final
 
 

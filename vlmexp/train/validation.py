@@ -5,7 +5,8 @@ Every `eval.every_steps` optimizer steps, and at the last step, the stage proces
 (`vlmexp.generation.Generator`, as the `generation:` section says, and `score_records`, the reward objects
 training uses), then logs `val/<metric>` at
 that step through the Trainer's callbacks, as the Trainer logs its own metrics: into the stage's MLflow run
-(transformers' MLflowCallback) and trainer_state.json's log history. That is EasyR1's `trainer.val_freq`
+(`vlmexp.tracking.callbacks.TrainerLogs`) and trainer_state.json's log history. That is EasyR1's
+`trainer.val_freq`
 (hiyouga/EasyR1 verl/trainer/ray_trainer.py, `_validate`). With `eval.during_training_n` N > 1 each record
 gets N samples at `eval.during_training_temperature`, logged as `val/<metric>/mean_at_N` (the metric of each
 of the N sample sets, averaged) and `val/<metric>/best_at_N` (the metric of each record's best-scoring
@@ -41,6 +42,7 @@ from transformers import TrainerCallback
 
 from vlmexp.config.schema import Config
 from vlmexp.generation import CompileCount
+from vlmexp.tracking.stage_run import NullStageRun, StageRun
 
 log = logging.getLogger("vlmexp.train")
 PREFIX = "val/"
@@ -117,8 +119,10 @@ class Validation(TrainerCallback):
     """Validate every `eval.every_steps` steps and at the last; track the best `export.metric` in the
     Trainer's state (see the module docstring)."""
 
-    def __init__(self, trainer, cfg: Config, held_out: HeldOut, stage: str = "model"):
+    def __init__(self, trainer, cfg: Config, held_out: HeldOut, stage: str = "model",
+                 run: StageRun | None = None):
         self.trainer, self.cfg, self.held_out, self.stage = trainer, cfg, held_out, stage
+        self.run = run or NullStageRun()
         self.metric, self.maximize = tracked_metric(cfg), cfg.export.direction == "maximize"
         self.compile_count = CompileCount()  # every validation's generation compilations, in one count
         self.first: list[str] = []  # each record's first completion at the last validation
@@ -130,8 +134,10 @@ class Validation(TrainerCallback):
         if not self.due(state):
             return control
         logs = self.validate(model, state.global_step) if state.is_world_process_zero else None
-        if state.is_world_process_zero and "mlflow" in (args.report_to or []):
-            log_pictures(self.pictures(), state.global_step)
+        if state.is_world_process_zero and self.run.enabled:
+            # each picture as the image `validation/record_<i>` (the run page's image slider steps through)
+            for i, picture in enumerate(self.pictures()):
+                self.run.log_image(picture, key=f"validation/record_{i:02d}", step=state.global_step)
         logs = share(logs)
         value = logs.get(self.metric)
         if value is not None and self.better(value, state.best_metric):
@@ -195,23 +201,6 @@ class Validation(TrainerCallback):
                 for r in rows]
 
 
-def log_pictures(pictures: list, step: int) -> None:
-    """Each picture as the MLflow image `validation/record_<i>` at `step` of the stage's run (the run page's
-    image slider steps through them); an unreachable store costs the images."""
-    if not pictures:
-        return
-    import mlflow
-
-    if mlflow.active_run() is None:
-        return
-    try:
-        for i, picture in enumerate(pictures):
-            mlflow.log_image(picture, key=f"validation/record_{i:02d}", step=step)
-    except Exception as e:  # noqa: BLE001 - an unreachable store must not end a training run
-        log.warning("step %d: validation pictures not logged (%s); training goes on", step,
-                    str(e).splitlines()[0][:300])
-
-
 def share(logs: dict[str, float] | None) -> dict[str, float]:
     """The main process's validation metrics on every rank (the others wait for them here)."""
     from accelerate import PartialState
@@ -246,7 +235,7 @@ def add_validation(trainer, inputs) -> Validation | None:
                                   f"{metric}, which validation on these held-out records does not "
                                   f"produce ({', '.join(produced)}); set export.metric to a "
                                   "metric of their task", cfg.export.metric))
-    callback = Validation(trainer, cfg, held, inputs.stage)
+    callback = Validation(trainer, cfg, held, inputs.stage, inputs.run)
     trainer.add_callback(callback)
     return callback
 
