@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from vlmexp import commands
 from vlmexp.config.schema import TRAINING_STAGES
-from vlmexp.errors import VlmexpError
+from vlmexp.errors import ReportedError, VlmexpError
 from vlmexp.families import FAMILIES
 from vlmexp.families.qwen import RELEASED_PIXELS
 
@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ReportedError as e:  # the message names what failed and the fix: a traceback would add nothing
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -54,11 +54,13 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
 
     from vlmexp.data.run_data import prepare_data
     from vlmexp.families import detect_family
+    from vlmexp.model_rewards.probe import check_model_rewards
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor
     from vlmexp.train.validation import check_sharding
 
     check_hardware(getattr(cfg, stage), stage)
+    check_model_rewards(cfg, stage)  # a judge endpoint that is down, before any model loads
     check_sharding(cfg, stage)  # validation during training with sharded parameters over several processes
     set_seed(cfg.run.seed)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
