@@ -53,6 +53,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from transformers import set_seed
 
     from vlmexp.data.run_data import prepare_data
+    from vlmexp.disk import warn_if_short
     from vlmexp.families import detect_family
     from vlmexp.model_rewards.probe import check_model_rewards
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
@@ -82,6 +83,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     processor = load_processor(model_path, family, cfg.model.image_knobs,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
+    warn_if_short(cfg.run.output_dir, model_path, getattr(cfg, stage).peft is None)
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else None
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
