@@ -37,13 +37,13 @@ FAULTS = [("kill_at_step:3", -signal.SIGKILL, 2),   # preempted between checkpoi
 FULL_AT = 8  # then the disk fills for real while checkpoint-8 is written; it grows, and the last run finishes
 
 
-def _train(out: Path, env: dict[str, str], uri: str, run_id: str, wait: bool = True):
+def _train(out: Path, env: dict[str, str], uri: str, run_id: str, log: Path | None = None):
+    """The stage command, run to its end; with `log`, started with its stderr going there."""
     command = [sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
                "--mlflow-run-id", run_id, f"run.output_dir={out}", f"tracking.tracking_uri={uri}", *GRPO]
-    if wait:
+    if log is None:
         return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=env)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=env)
 
 
 def _resumed_from(stderr: str) -> int:
@@ -133,14 +133,15 @@ def _disk_fills_during_a_save(out: Path, env: dict[str, str], uri: str, run_id: 
     training, and said again."""
     import time
 
-    disk = out.parent
-    train = _train(out, env, uri, run_id, wait=False)
+    disk, log = out.parent, out.parent.parent / "filling.log"  # the log off the small disk
+    train = _train(out, env, uri, run_id, log)
     saved = out / "grpo" / f"checkpoint-{FULL_AT - SAVE_STEPS}" / "trainer_state.json"
     while not saved.is_file():
-        assert train.poll() is None, train.communicate()[1][-3000:]
+        assert train.poll() is None, log.read_text()[-3000:]
         time.sleep(0.1)
     _fill(disk, checkpoint // 2)
-    _, stderr = train.communicate(timeout=600)
+    train.wait(timeout=600)
+    stderr = log.read_text()
     assert train.returncode == 1, stderr[-3000:]
     assert _resumed_from(stderr) == resumed_from
     _assert_said_as_disk_full(stderr, out)

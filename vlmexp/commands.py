@@ -282,8 +282,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                        checked=args.checked, held_by=args.held_by)))
         return 0
     # a full disk (the weights, the optimizer state, the MLflow store, the hold) said as such
-    with said_as_disk_full(cfg.run.output_dir, checkpoint_bytes(args.model or cfg.model.path,
-                                                                getattr(cfg, args.stage).peft is None)):
+    full = getattr(cfg, args.stage).peft is None
+    with said_as_disk_full(cfg.run.output_dir, lambda: checkpoint_bytes(_start_model(cfg, args.model), full)):
         if args.held_by:  # inside the hold of the run that started it
             check_held_by(cfg.run.output_dir, args.held_by)
             return _train_stage(args, cfg)
@@ -294,6 +294,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             if not is_launched_process():  # the processes it launches run inside its hold
                 args.held_by = hold.run_id
             return _train_stage(args, cfg)
+
+
+def _start_model(cfg, model: str | None) -> str:
+    """The folder a stage starts from: `--model`, else the config's model (a tiny one as built)."""
+    from vlmexp.modeling import resolve_model
+
+    return model or resolve_model(cfg.model, cfg.run.output_dir)[0]
 
 
 def _train_stage(args: argparse.Namespace, cfg) -> int:

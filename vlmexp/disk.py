@@ -16,7 +16,7 @@ import errno
 import json
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,15 +107,21 @@ def being_written(error: BaseException, folder: Path) -> str:
 
 
 @contextmanager
-def said_as_disk_full(folder: str | Path, need: int | None = None) -> Iterator[None]:
+def said_as_disk_full(folder: str | Path, checkpoint: Callable[[], int | None] = lambda: None
+                      ) -> Iterator[None]:
     """Raise DiskFull (from the original error) for a full disk under the block: naming `folder`, the file
-    being written, the room left, and a checkpoint's `need` when known."""
+    being written, the room left, and what a checkpoint needs (`checkpoint()`, asked once the block failed:
+    the model it estimates from may only exist by then) when known."""
     folder = Path(folder).expanduser().resolve()
     try:
         yield
     except DiskFull:
         raise
     except Exception as e:
+        try:
+            need = checkpoint()
+        except Exception:  # noqa: BLE001 - an estimate only: the error says the rest without it
+            need = None
         if not is_disk_full(e, folder, need):
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else e.__class__.__name__
