@@ -8,6 +8,8 @@ from a deployment: `prefect deployment run 'vlm-pipeline/manual' --param config=
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +46,46 @@ def _cached(task, force: bool, retries: int, delay: float, **params: Any):
 @flow(name="vlm-pipeline", log_prints=True, on_cancellation=[on_stopped], on_crashed=[on_stopped],
       on_failure=[on_stopped])
 def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = False) -> PipelineResult:
-    """The pipeline. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped (never retried), its
-    stage runs on other pools are cancelled, its MLflow runs end KILLED and the flow run ends Cancelled."""
+    """The pipeline. It holds the output folder for its life (vlmexp.pipeline.hold): another run on it waits
+    or is refused, as `run.on_busy` says. A Ctrl-C or SIGTERM stops it: the stage's processes are stopped
+    (never retried), its stage runs on other pools are cancelled, its MLflow runs end KILLED and the flow run
+    ends Cancelled."""
     from vlmexp.errors import quiet_bad_input_tracebacks
     from vlmexp.pipeline.keys import check_pipeline_parameters
-    from vlmexp.pipeline.processes import StageInterrupted, note_stop, stop_signal, stopped_by
 
     # bad input: the problems, no traceback
     quiet_bad_input_tracebacks("prefect.task_runs", "prefect.flow_runs")
     check_pipeline_parameters(config, overrides)
+    with _holding(config, overrides) as held_by:
+        return _stoppable(config, overrides, force, held_by)
+
+
+@contextmanager
+def _holding(config: str, overrides: list[str] | None) -> Iterator[str | None]:
+    """Hold the config's output folder as this flow run, yielding the holder's run id; a config that does not
+    load holds nothing (its validate step reports every problem)."""
+    from vlmexp.pipeline.hold import holding
+    from vlmexp.pipeline.keys import pending_path, run_folder
+
+    found = run_folder(config, overrides)
+    if found is None:
+        yield None
+        return
+    folder, cfg = found
+    with holding(folder, "vlm-pipeline flow run", str(flow_run.id or "") or None, cfg.run.on_busy,
+                 cfg.run.busy_wait_seconds) as hold:
+        try:
+            yield hold.run_id
+        finally:  # a run that ended before its data was sampled leaves no pending config of its own
+            pending_path(folder, hold.run_id).unlink(missing_ok=True)
+
+
+def _stoppable(config: str, overrides: list[str] | None, force: bool, held_by: str | None):
+    from vlmexp.pipeline.processes import StageInterrupted, note_stop, stop_signal, stopped_by
+
     started: dict[str, Any] = {}  # what a stop must close: the resolved config and the MLflow runs
     try:
-        return _pipeline(config, overrides, force, started)
+        return _pipeline(config, overrides, force, started, held_by)
     except (KeyboardInterrupt, TerminationSignal, StageInterrupted) as stop:
         # Prefect's SIGTERM handler raised it
         if isinstance(stop, TerminationSignal) and stop_signal() is None:
@@ -66,11 +96,11 @@ def vlm_pipeline(config: str, overrides: list[str] | None = None, force: bool = 
         return Cancelled(message=f"stopped by {by}; run the same command again to resume")
 
 
-def _pipeline(config: str, overrides: list[str] | None, force: bool,
-              started: dict[str, Any]) -> PipelineResult:
+def _pipeline(config: str, overrides: list[str] | None, force: bool, started: dict[str, Any],
+              held_by: str | None) -> PipelineResult:
     from vlmexp.pipeline.keys import load_resolved, stage_key
 
-    pending = validate_config(config, overrides or [])
+    pending = validate_config(config, overrides or [], held_by or "")
     cfg = load_resolved(pending)
     retry = {"force": force, "retries": cfg.pipeline.retries, "delay": cfg.pipeline.retry_delay_seconds}
     data = sample_data.with_options(retries=cfg.pipeline.retries)(pending)  # commits config.resolved.yaml
@@ -83,7 +113,7 @@ def _pipeline(config: str, overrides: list[str] | None, force: bool,
     for stage in TRAINING_STAGES:
         run.stages[stage] = _cached(train_stage, stage=stage,
                                     key=stage_key(cfg, stage, data.hash, run.upstream_key),
-                                    model=run.start_model(stage),
+                                    model=run.start_model(stage), held_by=held_by,
                                     **tracked) if getattr(cfg, stage).enabled else None
 
     if cfg.eval.enabled and data.val:

@@ -28,12 +28,12 @@ def _key(prefix: str):
 
 
 @task(name="validate-config", cache_policy=NO_CACHE)
-def validate_config(config: str, overrides: list[str]) -> str:
+def validate_config(config: str, overrides: list[str], run_id: str = "") -> str:
     """Check the config (all problems at once) and write the resolved copy (pending until the data is
-    sampled)."""
+    sampled; the run's own, `run_id`)."""
     from vlmexp.pipeline.keys import resolve_config
 
-    _, pending = resolve_config(config, overrides)
+    _, pending = resolve_config(config, overrides, run_id)
     get_run_logger().info("config %s ok; resolved to %s", config, pending)
     return str(pending)
 
@@ -123,18 +123,20 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
 @task(name="train-stage", cache_key_fn=_key("train"), persist_result=True,
       retry_condition_fn=retry_unless_bad_input)
 def train_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
-                force: bool = False) -> StageResult:
+                force: bool = False, held_by: str | None = None) -> StageResult:
     """Run one training stage through the configured launcher as a subprocess, streaming its output, here or
     on the stage's deployment (`pipeline.stage_deployments`). A retry (same key) resumes from the newest
-    checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run."""
+    checkpoint; the subprocess logs TRL's step metrics into this stage's MLflow child run. `held_by`: the
+    pipeline run holding the output folder, inside whose hold the stage runs."""
     from vlmexp.pipeline.keys import load_resolved
     from vlmexp.pipeline.steps import run_training_stage
 
     folder = Path(load_resolved(resolved).run.output_dir) / stage
     result = _on_deployment(stage, resolved, folder, key, {"model": model, "parent_run_id": parent_run_id,
-                                                            "force": force}, StageResult)
+                                                            "force": force, "held_by": held_by}, StageResult)
     if result is None:
-        result = run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force)
+        result = run_training_stage(stage, resolved, key, model, parent_run_id, get_run_logger().info, force,
+                                    held_by)
     return result.model_copy(update={"flow_run_id": str(flow_run.id)})
 
 

@@ -6,6 +6,8 @@ embedded images through `datasets`, JSON / JSONL with image paths), for the form
 - TRL prompt-completion: trl-lib/llava-instruct-mix (`images`, `prompt`, `completion`, string content).
 - TRL preference: trl-lib/rlaif-v (`prompt`, `chosen`, `rejected` as lists of messages of typed parts;
   `images`).
+- RLAIF-V: openbmb/RLAIF-V-Dataset (`ds_name`, `image`, `question`, `chosen`, `rejected` as strings,
+  `origin_dataset`, `origin_split`, `idx`, and `image_path`, the image's path in its origin dataset).
 - TRL prompt-only: the GRPO VLM example's layout (trl examples/scripts/grpo_vlm.py: `image`, a `prompt` of
   system + user messages, `solution`).
 - LLaMA-Factory: data/mllm_demo.json (OpenAI-style `messages`, `<image>` tags, `images` paths, multi-turn), a
@@ -102,6 +104,25 @@ def trl_preference(folder: Path, n: int = 4) -> Path:
             "rejected": [[{"role": "assistant", "content": _text(COLORS[(i + 1) % 4])}] for i in range(n)],
             "images": [[_image(COLORS[i % 4])] for i in range(n)]}
     path = folder / "rlaif-v" / "data" / "train-00000-of-00001.parquet"
+    return to_parquet(rows, features, path)
+
+
+def rlaif_v(folder: Path, n: int = 4) -> Path:
+    from datasets import Features, Image, Value
+
+    features = Features({"ds_name": Value("string"), "image": Image(), "question": Value("string"),
+                         "chosen": Value("string"), "rejected": Value("string"),
+                         "origin_dataset": Value("string"), "origin_split": Value("string"),
+                         "idx": Value("string"), "image_path": Value("string")})
+    rows = {"ds_name": ["RLAIF-V"] * n, "image": [_image(COLORS[i % 4]) for i in range(n)],
+            "question": [f"Which colour is shape {i}?" for i in range(n)],
+            "chosen": [f"It is {COLORS[i % 4]}." for i in range(n)],
+            "rejected": [f"It is {COLORS[(i + 1) % 4]}." for i in range(n)],
+            "origin_dataset": ["OK-VQA"] * n,
+            "origin_split": ['{"model": "OmniLMM-12B", "type": "question_answering"}'] * n,
+            "idx": [f"OK-VQA_train_{i}" for i in range(n)],
+            "image_path": [f"OK-VQA/train/COCO_train2014_{i:012d}.jpg" for i in range(n)]}
+    path = folder / "RLAIF-V-Dataset" / "RLAIF-V-Dataset_000.parquet"
     return to_parquet(rows, features, path)
 
 

@@ -32,6 +32,7 @@ def anchors(tmp_path_factory) -> dict[str, dict]:
         "trl_messages": {"json_path": str(anchor_data.trl_language_modeling(root).parent)},
         "trl_prompt_completion": {"json_path": str(anchor_data.trl_prompt_completion(root))},
         "trl_preference": {"json_path": str(anchor_data.trl_preference(root))},
+        "rlaif_v": {"json_path": str(anchor_data.rlaif_v(root))},
         "trl_prompt_only": {"json_path": str(anchor_data.trl_prompt_only(root)), "task": "math"},
         "llamafactory": {"json_path": str(folder), "dataset": "mllm_demo"},
         "llamafactory_preference": {"json_path": str(folder), "dataset": "rlhf_v_demo"},
@@ -61,6 +62,7 @@ def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
         anchors["trl_preference"]["json_path"]: "'preference' because its first record has prompt, chosen, "
                                                 "rejected",
         anchors["trl_prompt_only"]["json_path"]: "'prompt_only' because its first record has prompt",
+        anchors["rlaif_v"]["json_path"]: "'pairs' because its first record has chosen, rejected",
         str(folder / "mllm_demo.json"): "'conversations' because its first record has conversations; "
                                         "LLaMA-Factory dataset 'mllm_demo'; columns renamed "
                                         "{'conversations': 'messages', 'images': 'images'}",
@@ -74,9 +76,17 @@ def test_sample_explain_names_each_format_and_why(anchors, tmp_path):
     assert set(why) == set(expected), why
     for source, reason in expected.items():
         assert why[source].startswith(reason), (source, why[source])
+    # RLAIF-V's `image_path` (its origin dataset's path) reaches the rewards under a name the report states
+    renamed = ("rewards receive the source's field 'image_path' as 'source_image_path' (vlmexp's "
+               "'image_path' is the first image's path)")
+    assert f"{anchors['rlaif_v']['json_path']}: {renamed}" in lines
+    assert why[anchors["rlaif_v"]["json_path"]].endswith(renamed)
     assert any(line.startswith("formats, tried in this order")
                and "prompt_only (prompt, solution or answer)" in line for line in lines)
-    assert len(read_sampled(tmp_path / "o.jsonl")) == 32
+    records = read_sampled(tmp_path / "o.jsonl")
+    assert len(records) == 36
+    assert [r.extra["source_image_path"] for r in records if r.record_format == "pairs"] == [
+        f"OK-VQA/train/COCO_train2014_{i:012d}.jpg" for i in range(4)]
     from vlmexp.data.sampling import explain_manifest  # what the pipeline's sample step logs
 
     assert explain_manifest(tmp_path / "o.manifest.json") == [line for line in lines if ": read as " in line]
@@ -214,8 +224,9 @@ def test_llamafactory_folder_errors_name_the_entry_and_the_fix(anchors, tmp_path
 @pytest.mark.slow
 def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_path, tiny_models):
     """SFT on multi-turn and single-turn conversations (loss on every assistant turn and nothing else), DPO on
-    the three preference layouts, GRPO on prompt-only, prompt-completion and multi-turn records: one step
-    each, weights changed; then evaluation on the GRPO records."""
+    the four preference layouts (RLAIF-V's with its `image_path` column), GRPO on prompt-only,
+    prompt-completion and multi-turn records: one step each, weights changed; then evaluation on the GRPO
+    records."""
     from safetensors.torch import load_file
 
     from vlmexp.checks.loader import load_config
@@ -244,8 +255,8 @@ def test_each_anchor_format_trains_a_step_of_each_stage_it_feeds(anchors, tmp_pa
     cfg, final = train("sft", run_sft, ["trl_messages", "trl_prompt_completion", "llamafactory",
                                         "llamafactory_alpaca", "ms_swift"], "sft.args.max_length=512")
     _assert_loss_on_assistant_turns_only(cfg, final)
-    train("dpo", run_dpo, ["trl_preference", "llamafactory_preference", "ms_swift"], "dpo.enabled=true",
-          "dpo.pairs.from=data", "dpo.args.max_length=256")
+    train("dpo", run_dpo, ["trl_preference", "llamafactory_preference", "ms_swift", "rlaif_v"],
+          "dpo.enabled=true", "dpo.pairs.from=data", "dpo.args.max_length=256")
     cfg, final = train("grpo", run_grpo, ["trl_prompt_only", "trl_prompt_completion", "llamafactory"],
                        "grpo.args.num_generations=4", "grpo.args.max_completion_length=8",
                        "grpo.args.gradient_accumulation_steps=1", "eval.max_new_tokens=8",

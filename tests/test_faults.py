@@ -1,18 +1,21 @@
 """Faults during training: a killed or disk-full GRPO process resumes from its newest complete checkpoint,
 recomputes at most save_steps steps, and leaves MLflow a history without duplicated or backwards steps.
 
-The faults are real (SIGKILL of the training process, an ENOSPC OSError inside the checkpoint save),
-planted by tests/faults/sitecustomize.py in the subprocess; the rerun is what the pipeline's retried
-task runs: the same command, the same stage folder, the same MLflow run.
+The faults are real: SIGKILL of the training process (planted by tests/faults/sitecustomize.py in the
+subprocess), and a small tmpfs that fills while a checkpoint is written, then grows; the rerun is what the
+pipeline's retried task runs: the same command, the same stage folder, the same MLflow run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,69 +30,144 @@ GRPO = ["tracking.backend=mlflow", "data.demo.train=16", "data.demo.val=4",
         "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
         "grpo.args.max_completion_length=8", "grpo.args.temperature=1.5",
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES]
-# One training, crashed by each fault in turn: every run after the first resumes the one before it, and is
-# itself crashed by the next fault, until the last run finishes. (fault, exit code of the crashed run, newest
+# One training on a small real file system, crashed by each fault in turn: every run after the first resumes
+# the one before it, and is itself crashed by the next fault. (fault, exit code of the crashed run, newest
 # complete checkpoint the next run resumes from)
 FAULTS = [("kill_at_step:3", -signal.SIGKILL, 2),   # preempted between checkpoints
-          ("kill_in_save:6", -signal.SIGKILL, 4),   # killed while checkpoint-6 is half written
-          ("enospc_in_save:8", 1, 6)]               # disk full while writing checkpoint-8
+          ("kill_in_save:6", -signal.SIGKILL, 4)]   # killed while checkpoint-6 is half written
+FULL_AT = 8  # then the disk fills for real while checkpoint-8 is written; it grows, and the last run finishes
 
 
-def _train(out: Path, env: dict[str, str], uri: str, run_id: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config",
-                           "configs/demo.yaml", "--mlflow-run-id", run_id, f"run.output_dir={out}",
-                           f"tracking.tracking_uri={uri}", *GRPO],
-                          capture_output=True, text=True, cwd=REPO, env=env)
+def _train(out: Path, env: dict[str, str], uri: str, run_id: str, log: Path | None = None):
+    """The stage command, run to its end; with `log`, started with its stderr going there."""
+    command = [sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+               "--mlflow-run-id", run_id, f"run.output_dir={out}", f"tracking.tracking_uri={uri}", *GRPO]
+    if log is None:
+        return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=env)
 
 
-def _resumed_from(run: subprocess.CompletedProcess) -> int:
-    return int(run.stderr.split("(resume: ")[1].split(")")[0].rsplit("-", 1)[1])
+def _resumed_from(stderr: str) -> int:
+    return int(stderr.split("(resume: ")[1].split(")")[0].rsplit("-", 1)[1])
+
+
+@contextmanager
+def small_disk(folder: Path, megabytes: int) -> Iterator[Path]:
+    """A real tmpfs of `megabytes` mounted at `folder` (CI runs the tests as root, as this needs)."""
+    folder.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.fail("this test fills a real file system: it mounts a tmpfs, which needs root (CI runs the "
+                    f"tests as root); run it as root, not as uid {os.geteuid()}")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs at {folder} ({mounted.stderr.strip()}); this test needs a real "
+                    "small file system to fill: run it where `mount -t tmpfs` works (a container needs "
+                    "CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Fill `disk` with a file of the test's own (growing or shrinking it) until `leave` bytes are free."""
+    filler = disk / "filler"
+    have = filler.stat().st_size if filler.exists() else 0
+    target = max(0, have + shutil.disk_usage(disk).free - leave)
+    with open(filler, "ab") as f:
+        if target < have:
+            f.truncate(target)
+        else:
+            f.write(b"\0" * (target - have))
 
 
 def test_grpo_faults_resume_from_the_newest_complete_checkpoint(tmp_path):
-    """A kill between checkpoints, a kill while a checkpoint is half written, a full disk while writing one:
-    after each, the same command resumes from the newest complete checkpoint (a resumed run crashed by the
-    next fault), recomputing at most save_steps steps; the last run finishes with each step in MLflow once."""
+    """On a small tmpfs: a kill between checkpoints, a kill while a checkpoint is half written, then the disk
+    filling for real while a checkpoint is written (the MLflow store on it too): after each, the same command
+    resumes from the newest complete checkpoint, recomputing at most save_steps steps. The full disk is said
+    as such (folder, file, room left, a checkpoint's size), again on a retry with too little room (warned
+    before training), and once the file system grows the same command finishes with each step in MLflow
+    once."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("faults")).info.run_id
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO / "tests"),
-                                                        str(REPO)])}
-    grpo = tmp_path / "grpo"
-
-    resumed_from = None  # the first run starts from the start
-    for fault, crash, newest in FAULTS:
-        run = _train(tmp_path, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
-        assert run.returncode == crash, (fault, run.stderr[-3000:])
-        if resumed_from is not None:
-            assert _resumed_from(run) == resumed_from, (fault, run.stderr[-3000:])
-        if crash == 1:
-            assert "No space left on device (planted)" in run.stderr
-        step = int(fault.split(":")[1])
-        assert not (grpo / "final").exists()
-        if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
-            assert ((grpo / f"checkpoint-{step}").is_dir()
-                    and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists()), fault
-        assert (grpo / f"checkpoint-{newest}" / "trainer_state.json").is_file(), fault
-        assert step - newest <= SAVE_STEPS  # at most save_steps steps recomputed
-        resumed_from = newest
-
-    last = _train(tmp_path, env, uri, run_id)
+    with small_disk(tmp_path / "disk", 96) as disk:
+        out = disk / "run"
+        uri = f"sqlite:///{out / 'mlflow.db'}"
+        client = MlflowClient(uri)
+        run_id = client.create_run(client.create_experiment("faults")).info.run_id
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"),
+                                                            str(REPO / "tests"), str(REPO)])}
+        grpo = out / "grpo"
+        resumed_from = None  # the first run starts from the start
+        for fault, crash, newest in FAULTS:
+            run = _train(out, {**env, "VLMEXP_FAULT": fault}, uri, run_id)
+            assert run.returncode == crash, (fault, run.stderr[-3000:])
+            if resumed_from is not None:
+                assert _resumed_from(run.stderr) == resumed_from, (fault, run.stderr[-3000:])
+            step = int(fault.split(":")[1])
+            assert not (grpo / "final").exists()
+            if "save" in fault:  # the half-written checkpoint is there but has no trainer_state.json
+                assert ((grpo / f"checkpoint-{step}").is_dir()
+                        and not (grpo / f"checkpoint-{step}" / "trainer_state.json").exists()), fault
+            assert (grpo / f"checkpoint-{newest}" / "trainer_state.json").is_file(), fault
+            assert step - newest <= SAVE_STEPS  # at most save_steps steps recomputed
+            resumed_from = newest
+        checkpoint = sum(p.stat().st_size for p in (grpo / "checkpoint-4").rglob("*") if p.is_file())
+        _disk_fills_during_a_save(out, env, uri, run_id, checkpoint, resumed_from)
+        subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)  # room again
+        last = _train(out, env, uri, run_id)
     assert last.returncode == 0, last.stderr[-3000:]
-    assert _resumed_from(last) == resumed_from, last.stderr[-3000:]
+    assert _resumed_from(last.stderr) == FULL_AT - SAVE_STEPS, last.stderr[-3000:]
+    assert "skipping incomplete checkpoint" in last.stderr  # the torn checkpoint-8
     state = json.loads((grpo / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
     assert state["global_step"] == MAX_STEPS and (grpo / "final" / "model.safetensors").is_file()
-
     for key in ("loss", "reward", "rewards/rewards_for_tests:char_variety/mean"):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
 
 
+def _disk_fills_during_a_save(out: Path, env: dict[str, str], uri: str, run_id: str, checkpoint: int,
+                              resumed_from: int) -> None:
+    """A run that resumes, whose disk the test fills once checkpoint-6 is saved, leaving half a checkpoint:
+    checkpoint-8's save fails for real. Then the same command with half a checkpoint free: warned before
+    training, and said again."""
+    import time
+
+    disk, log = out.parent, out.parent.parent / "filling.log"  # the log off the small disk
+    train = _train(out, env, uri, run_id, log)
+    saved = out / "grpo" / f"checkpoint-{FULL_AT - SAVE_STEPS}" / "trainer_state.json"
+    while not saved.is_file():
+        assert train.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.1)
+    _fill(disk, checkpoint // 2)
+    train.wait(timeout=600)
+    stderr = log.read_text()
+    assert train.returncode == 1, stderr[-3000:]
+    assert _resumed_from(stderr) == resumed_from
+    _assert_said_as_disk_full(stderr, out)
+    assert f"writing {out / 'grpo' / f'checkpoint-{FULL_AT}'}" in stderr.splitlines()[-1], stderr[-2000:]
+    # the same command with too little room: warned with both figures before training, and said again
+    _fill(disk, checkpoint // 2)
+    retry = _train(out, env, uri, run_id)
+    assert retry.returncode == 1, retry.stderr[-3000:]
+    assert f"{out} has " in retry.stderr and "free, and one checkpoint of" in retry.stderr
+    _assert_said_as_disk_full(retry.stderr, out)
+
+
+def _assert_said_as_disk_full(stderr: str, out: Path) -> None:
+    last = stderr.strip().splitlines()[-1].partition("error: ")[2]  # after TRL's progress bar
+    assert last.startswith(f"the disk holding {out} is full: writing "), stderr[-3000:]
+    assert " free there; one checkpoint of this model needs about " in last, last
+    assert "run the same command again: it resumes from the newest complete checkpoint" in last, last
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefect_home, run_inputs):
-    """SIGKILL the whole `vlmexp run` process group (flow, temporary server, training) during GRPO; the same
-    command then finishes: SFT comes from the cache, GRPO resumes from its checkpoint."""
+    """Two `vlmexp run`s of one command 2 s apart: one holds the output folder, the other is refused naming
+    it; a third during GRPO is refused too. SIGKILL the whole running process group (flow, temporary server,
+    training) during GRPO; the same command then takes the dead run's hold over and finishes: SFT comes from
+    the cache, GRPO resumes from its checkpoint."""
     import time
 
     import psutil
@@ -102,14 +180,30 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefec
                "grpo.args.max_steps=10", "grpo.args.save_steps=2", "grpo.args.per_device_train_batch_size=4",
                "grpo.args.num_generations=4", "grpo.args.max_completion_length=8", "eval.enabled=false",
                "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}]", *SMALL_BATCHES, *run_inputs(out)]
-    first_log = tmp_path / "first.log"
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                             stderr=first_log.open("w"), start_new_session=True)
+    # the same command twice, 2 s apart (a retrain fired while a manual run starts): one holds the folder,
+    # the other is refused at once, naming it
+    logs = [tmp_path / "first.log", tmp_path / "twin.log"]
+    runs = []
+    for log in logs:
+        runs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=log.open("w"), start_new_session=True))
+        time.sleep(2)
     deadline = time.monotonic() + 600  # a shared 2-core machine under load
+    while all(r.poll() is None for r in runs):
+        assert time.monotonic() < deadline, "neither run ended nor was refused"
+        time.sleep(0.5)
+    [(refused, refused_log)] = [(r, log) for r, log in zip(runs, logs) if r.poll() is not None]
+    [(first, first_log)] = [(r, log) for r, log in zip(runs, logs) if r is not refused]
+    _assert_refused(refused.returncode, refused_log.read_text(), out, first.pid)
     while not (out / "grpo" / "checkpoint-2" / "trainer_state.json").is_file():
         assert first.poll() is None and time.monotonic() < deadline, \
             f"GRPO never wrote checkpoint-2 (exit {first.poll()}):\n{first_log.read_text()[-3000:]}"
         time.sleep(0.5)
+    # half a run apart: refused as well, while the first trains, before a Prefect server starts
+    late = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    _assert_refused(late.returncode, late.stderr, out, first.pid)
+    assert "Starting temporary server" not in late.stderr
+    assert first.poll() is None, f"the first run ended (exit {first.poll()}) before it could be killed"
     # Prefect's temporary server and the stage run in sessions of their own (a terminal's Ctrl-C reaches only
     # `vlmexp run`, which records the stop and passes it on): the group's SIGKILL misses them, and they still
     # go with the run
@@ -128,10 +222,22 @@ def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefec
     second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
+    # the killed run's hold: its process is gone, so the rerun takes it over, saying so
+    assert f"its process {first.pid} is gone: taking it over" in log
+    assert not (out / ".vlmexp-hold.json").exists() and not list(out.glob(".config.pending*"))
     assert "| sft | skipped: inputs unchanged" in log  # finished before the kill: not redone
     assert "(resume: " in log and "/grpo/checkpoint-" in log.split("(resume: ")[1].split(")")[0]
     assert ((out / "grpo" / "final" / "model.safetensors").is_file()
             and (out / "export" / "manifest.json").is_file())
+
+
+def _assert_refused(returncode: int, stderr: str, out: Path, holder_pid: int) -> None:
+    """A `vlmexp run` refused because another one holds its folder: exit 2, the holder named, the fix."""
+    assert returncode == 2, stderr[-3000:]
+    assert f"{out.resolve()}: run.output_dir: held by vlm-pipeline flow run " in stderr, stderr[-3000:]
+    assert "one run at a time writes an output folder" in stderr, stderr[-3000:]
+    assert f"(process {holder_pid} on " in stderr and "set run.on_busy=wait" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
 
 
 def _step_seconds(history, start: float, end: float) -> list[float]:

@@ -330,3 +330,26 @@ def test_bad_data_into_an_existing_run_touches_none_of_its_files(prefect, tmp_pa
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     [sampling] = [r for r in runs if r.name.startswith("sample-data")]
     assert sampling.run_count == 1 and sampling.state.is_failed()
+
+
+def test_a_pipeline_run_on_a_folder_another_run_holds_fails_at_once_naming_it(prefect, tmp_path):
+    """The flow a deployment run, the scheduled retrain or `vlmexp run` runs, while `vlmexp train` by hand (a
+    process of its own) holds the output folder: Failed before any task, the holder named; nothing written;
+    the holder's file untouched."""
+    from test_hold import _holder
+
+    from flows.pipeline import vlm_pipeline
+    from vlmexp.pipeline.hold import HOLD_NAME, read_holder
+
+    out = tmp_path / "run"
+    holder = _holder(out, "run-manual", 120)
+    try:
+        state = vlm_pipeline(config=DEMO, overrides=[f"run.output_dir={out}", "tracking.backend=none"],
+                             return_state=True)
+        message = str(state.message)
+        assert state.is_failed() and f"held by test holder run-manual (process {holder.pid} on " in message
+        assert sorted(p.name for p in out.iterdir()) == [HOLD_NAME]  # nothing written, the hold not taken
+        assert read_holder(out).run_id == "run-manual"
+    finally:
+        holder.kill()
+        holder.wait()

@@ -79,8 +79,8 @@ def _importers(graph: dict[str, set[str]], importer: str, imported: str) -> dict
 # by the longest entry naming it or its package; every module must be placed (a new one: put it on the floor
 # of what it is for).
 FLOORS = (
-    # plain helpers: errors, file writing, provenance, answer extraction
-    ("vlmexp.errors", "vlmexp.files", "vlmexp.provenance", "vlmexp.answers"),
+    # plain helpers: errors, file writing, a full disk said as such, provenance, answer extraction
+    ("vlmexp.errors", "vlmexp.files", "vlmexp.disk", "vlmexp.provenance", "vlmexp.answers"),
     # the model family table, with each family's image budget (Qwen-VL's smart_resize lives in its family)
     ("vlmexp.families",),
     # boxes in each family's frame, detection answers

@@ -430,3 +430,78 @@ def test_validate_refuses_a_reward_model_or_local_judge_folder_that_is_not_there
     assert "grpo.rewards.0.kwargs.path" in text and "no model folder with a config.json here" in text
     assert "grpo.rewards.1.kwargs.model" in text and "or set kwargs.endpoint" in text
     assert "grpo.rewards.2" not in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_judge_that_is_down_or_a_reward_model_that_is_none_is_found_before_any_model_loads(
+        tmp_path, tiny_models, vlmexp_main):
+    """`vlmexp validate` asks each judge endpoint one short question and reads each reward model's config; a
+    stage does the same before its policy model loads (nothing written, the output folder not even made)."""
+    from vlmexp.checks.loader import load_config
+    from vlmexp.errors import ConfigError
+    from vlmexp.train.grpo import run_grpo
+
+    down = f"http://127.0.0.1:{_free_port()}/v1"
+    with JudgeServer() as server:
+        wrong_route = server.url.removesuffix("/v1") + "/v2"  # the server answers 404 there
+        rewards = (f"grpo.rewards=[{{name: judge, kwargs: {{model: grader, endpoint: '{down}'}}}}, "
+                   f"{{name: judge, kwargs: {{model: grader, endpoint: '{wrong_route}'}}}}, "
+                   f"{{name: judge, kwargs: {{model: grader, endpoint: '{server.url}'}}}}, "
+                   f"{{name: reward_model, kwargs: {{path: '{tiny_models['qwen2_5_vl']}'}}}}]")
+        rc, _, err = vlmexp_main("validate", REPO / "configs/demo.yaml", f"run.output_dir={tmp_path / 'o'}",
+                                 rewards)
+        answered = len(server.requests)
+    assert rc == 2, err
+    assert (f"grpo.rewards.0.kwargs.endpoint = '{down}': the judge endpoint {down}/chat/completions could "
+            "not be reached (ConnectError") in err
+    assert "start the judge's server there, or fix kwargs.endpoint" in err
+    assert f"grpo.rewards.1.kwargs.endpoint = '{wrong_route}'" in err and "answered 404" in err
+    assert "check kwargs.model" in err and "grpo.rewards.2" not in err and answered == 2
+    assert "grpo.rewards.3.kwargs.path" in err and "not a sequence-classification model" in err
+    # the stage, as the pipeline starts it (its config checked already): refused before anything loads
+    cfg = load_config(REPO / "configs/demo.yaml", [f"run.output_dir={tmp_path / 'out'}",
+                                                   f"model.path={tiny_models['qwen2_5_vl']}",
+                                                   "tracking.backend=none", "grpo.rewards=[{name: judge, "
+                                                   f"kwargs: {{model: grader, endpoint: '{down}'}}}}]"])
+    with pytest.raises(ConfigError, match=r"a model reward cannot score \(1 problem\):\n  - grpo stage: "
+                                          r"grpo\.rewards\.0\.kwargs\.endpoint = .*could not be reached"):
+        run_grpo(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_judge_that_goes_away_mid_run_ends_the_stage_with_its_message_and_no_traceback(tmp_path,
+                                                                                        run_inputs):
+    """The judge answers the stage's probe and its first requests, then its server stops: the stage ends with
+    the judge's message, exit status 1, no traceback, its MLflow run FAILED."""
+    import threading
+
+    server = JudgeServer().__enter__()
+
+    def stop_when_asked():  # the probe is one request; the first step's scoring the next ones
+        while len(server.requests) < 2:
+            time.sleep(0.05)
+        server.__exit__(None, None, None)
+
+    watcher = threading.Thread(target=stop_when_asked, daemon=True)
+    watcher.start()
+    try:
+        run = _train(tmp_path, run_inputs, "grpo", "grpo.rewards=[{name: judge, kwargs: {model: grader, "
+                     f"endpoint: '{server.url}', retries: 1, backoff: 0.1}}}}]", "grpo.args.max_steps=3",
+                     "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=4",
+                     "grpo.args.max_completion_length=8", "grpo.args.save_strategy='no'")
+    finally:
+        if watcher.is_alive():
+            server.__exit__(None, None, None)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1].partition("error: ")[2]  # after TRL's progress bar
+    assert last.startswith(f"judge endpoint {server.url}/chat/completions could not be reached"), last
+    assert "(2 tries); start the server there, fix kwargs.endpoint" in last
+    _, found = _run_metrics(tmp_path, "demo-grpo")
+    assert found.info.status == "FAILED"

@@ -163,24 +163,33 @@ def test_dpo_sample_scoring_and_evaluation_pass_the_source_columns(sources, tmp_
     _assert_each_saw_its_own(_seen(columns_file), records)
 
 
-def test_a_source_column_named_as_one_of_vlmexps_is_refused_naming_both_and_the_fix(tmp_path):
+def test_a_source_column_named_as_one_of_vlmexps_reaches_the_rewards_renamed(tmp_path):
+    """A published layout is never refused for a column named as one of vlmexp's: rewards receive it as
+    `source_<name>` beside vlmexp's own, and the manifest states it."""
+    from vlmexp.data.record import reward_columns
+    from vlmexp.data.sampling import explain_manifest
+
     rec = vlmr1_rec(tmp_path / "vlmr1", image_path=["crops/0.png", "crops/1.png"])
     entry = {"json_path": str(rec), "image_root": str(tmp_path / "vlmr1" / "train2014")}
-    with pytest.raises(DataError) as e:
-        sample_sources([DataSource(**entry)], tmp_path / "a" / "s.jsonl", 0)
-    message = str(e.value)
-    assert "refcoco_train.json[0]: image_path" in message
-    assert "the source's field 'image_path' has the name of vlmexp's reward column 'image_path'" in message
-    assert "`columns: {<new name>: image_path}`" in message and not (tmp_path / "a" / "s.jsonl").exists()
-    # the fix: the column renamed reaches the rewards under its new name
-    fixed = _sample(tmp_path / "b", [{**entry, "columns": {"crop_path": "image_path"}}])
-    assert fixed[1].extra == {"normal_caption": CAPTIONS[1], "crop_path": "crops/1.png"}
-    # a field vlmexp reads in other formats but this one does not (EasyR1 grades `answer`) clashes alike
+    result = sample_sources([DataSource(**entry)], tmp_path / "a" / "s.jsonl", 0)
+    records = read_sampled(result.path)
+    assert records[1].extra == {"normal_caption": CAPTIONS[1], "source_image_path": "crops/1.png"}
+    columns = reward_columns(records[1])
+    assert columns["source_image_path"] == "crops/1.png" and columns["image_path"] == records[1].images[0]
+    assert result.sources[0].renamed_columns == {"image_path": "source_image_path"}
+    [line] = explain_manifest(result.manifest_path)
+    assert "rewards receive the source's field 'image_path' as 'source_image_path'" in line
+    # a field vlmexp reads in other formats but this one does not (EasyR1 grades `answer`) alike
     ds = geometry3k_dataset(2).add_column("solution", ["x = 2", "x = 3"])
     ds.to_parquet(tmp_path / "g" / "train.parquet")
-    with pytest.raises(DataError, match="'solution' has the name of vlmexp's reward column 'solution'"):
-        sample_sources([DataSource(json_path=str(tmp_path / "g" / "train.parquet"))],
-                       tmp_path / "c" / "s.jsonl", 0)
+    [first, _] = _sample(tmp_path / "c", [{"json_path": str(tmp_path / "g" / "train.parquet")}])
+    assert first.extra["source_solution"] == "x = 2" and first.solution != "x = 2"
+    # a source holding both names is refused, naming the field and the fix
+    ds.add_column("source_solution", ["a", "b"]).to_parquet(tmp_path / "h" / "train.parquet")
+    with pytest.raises(DataError, match="reaches the rewards as 'source_solution', a field the source has "
+                                        "as well; give one of them another name with `columns:"):
+        sample_sources([DataSource(json_path=str(tmp_path / "h" / "train.parquet"))],
+                       tmp_path / "d" / "s.jsonl", 0)
     # a name of the user's own in `columns` must not be vlmexp's column, nor a misspelt field
     from vlmexp.data.sources import check_source
 

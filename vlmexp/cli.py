@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from vlmexp import commands
 from vlmexp.config.schema import TRAINING_STAGES
-from vlmexp.errors import VlmexpError
+from vlmexp.errors import ReportedError, VlmexpError
 from vlmexp.families import FAMILIES
 from vlmexp.families.qwen import RELEASED_PIXELS
 
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the stage still builds its own TRL config before the model loads. No overrides")
     p.add_argument("--mlflow-run-id", help="log into this run of the config's MLflow store "
                                            "(the pipeline passes its stage run); default: a new run")
+    p.add_argument("--held-by", metavar="RUN_ID", help="run inside the hold of run RUN_ID on the output "
+                   "folder (the pipeline passes its own); default: hold the folder for this command's life, "
+                   "or wait or refuse as run.on_busy says when another run holds it")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=commands.cmd_train)
 
@@ -196,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ReportedError as e:  # the message names what failed and the fix: a traceback would add nothing
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

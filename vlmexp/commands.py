@@ -86,6 +86,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     """
     import os
 
+    from vlmexp.pipeline.hold import refuse_if_held
+    from vlmexp.pipeline.keys import run_folder
+
+    found = run_folder(args.config, args.overrides)
+    if found is not None and found[1].run.on_busy == "refuse":  # before a server starts: the flow holds it
+        refuse_if_held(found[0])
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
         # fresh sqlite database, logs "database is locked" tracebacks into the demo's output.
@@ -242,14 +248,17 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """One training stage: through the configured launcher, or in this process (what the launcher starts)."""
-    import logging
+    """One training stage: through the configured launcher, or in this process (what the launcher starts).
+    Started by hand, it holds the output folder for its life (vlmexp.pipeline.hold); a stage the pipeline
+    starts runs inside the pipeline's hold (`--held-by`)."""
+    import os
     import shlex
-    import subprocess
 
     from vlmexp.checks.loader import load_config
+    from vlmexp.disk import checkpoint_bytes, said_as_disk_full
     from vlmexp.launch import is_launched_process, stage_command
     from vlmexp.paths import check_checkpoint
+    from vlmexp.pipeline.hold import check_held_by, holding
 
     overridden = args.checked and args.overrides and (
         "the config was checked when the pipeline wrote it, and overrides would change it unchecked: drop "
@@ -263,12 +272,45 @@ def cmd_train(args: argparse.Namespace) -> int:
                       import_rewards=not (args.dry_run or args.checked))
     if args.model and not args.dry_run:
         check_arguments(f"train {args.stage}", ("--model", args.model, check_checkpoint(args.model)))
-    command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
-                            run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id, checked=args.checked)
     if args.dry_run:
-        print(shlex.join(command))
+        print(shlex.join(stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
+                                       run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id,
+                                       checked=args.checked, held_by=args.held_by)))
         return 0
+    # a full disk (the weights, the optimizer state, the MLflow store, the hold) said as such
+    full = getattr(cfg, args.stage).peft is None
+    with said_as_disk_full(cfg.run.output_dir, lambda: checkpoint_bytes(_start_model(cfg, args.model), full)):
+        if args.held_by:  # inside the hold of the run that started it
+            check_held_by(cfg.run.output_dir, args.held_by)
+            return _train_stage(args, cfg)
+        if is_launched_process() and os.environ.get("RANK", os.environ["LOCAL_RANK"]) != "0":
+            return _train_stage(args, cfg)  # a launch started by hand: its first process holds the folder
+        with holding(cfg.run.output_dir, f"vlmexp train {args.stage}", on_busy=cfg.run.on_busy,
+                     wait_seconds=cfg.run.busy_wait_seconds) as hold:
+            if not is_launched_process():  # the processes it launches run inside its hold
+                args.held_by = hold.run_id
+            return _train_stage(args, cfg)
+
+
+def _start_model(cfg, model: str | None) -> str:
+    """The folder a stage starts from: `--model`, else the config's model (a tiny one as built)."""
+    from vlmexp.modeling import resolve_model
+
+    return model or resolve_model(cfg.model, cfg.run.output_dir)[0]
+
+
+def _train_stage(args: argparse.Namespace, cfg) -> int:
+    """`vlmexp train`'s stage, through the configured launcher or in this process."""
+    import logging
+    import shlex
+    import subprocess
+
+    from vlmexp.launch import is_launched_process, stage_command
+
     if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
+        command = stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
+                                run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id, checked=args.checked,
+                                held_by=args.held_by)
         print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)
         from vlmexp.pipeline.processes import stop_process_tree
 

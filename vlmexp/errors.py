@@ -82,6 +82,11 @@ class VlmexpError(ValueError):
         return "\n".join(lines)
 
 
+class ReportedError(RuntimeError):
+    """A failure whose message says everything: what failed (a judge endpoint gone mid-run, a full disk),
+    where, and the fix. The command line shows the message without a traceback, and exits 1."""
+
+
 class ConfigError(VlmexpError):
     title = "invalid config"
 

@@ -26,12 +26,14 @@ def _tool(name: str) -> str:
 
 def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: str | None = None,
                   overrides: Sequence[str] = (), run_id: str = "vlmexp",
-                  mlflow_run_id: str | None = None, checked: bool = False) -> list[str]:
+                  mlflow_run_id: str | None = None, checked: bool = False,
+                  held_by: str | None = None) -> list[str]:
     """The argv that runs `stage` with `config` under `launch` (`run_id` names the rendezvous; `mlflow_run_id`
     is the MLflow run the stage logs into, else it starts its own in the config's store; `checked`: the config
-    is one the pipeline wrote and checked, a run's resolved config)."""
+    is one the pipeline wrote and checked, a run's resolved config; `held_by`: the run holding the output
+    folder, inside whose hold the stage runs)."""
     inner = ["vlmexp.cli", "train", stage, "--config", str(config), "--in-process",
-             *(["--checked"] if checked else []),
+             *(["--checked"] if checked else []), *(["--held-by", held_by] if held_by else []),
              *(["--model", str(model)] if model else []),
              *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else []), *overrides]
     n, nodes = launch.nproc_per_node, launch.nnodes

@@ -110,7 +110,7 @@ def check_sections(cfg: Config) -> list[Found]:
 def check_reward_imports(cfg: Config) -> list[Found]:
     """Import each module:function reward's module in a child process
     (`vlmexp.rewards_loader.check_custom_reward`): it must import, within the time limit, and name a
-    callable."""
+    callable; and probe each model reward (`vlmexp.model_rewards.probe`)."""
     from vlmexp.rewards_loader import REWARDS, check_custom_reward, check_reward_name
 
     out: list[Found] = []
@@ -125,7 +125,9 @@ def check_reward_imports(cfg: Config) -> list[Found]:
             check_custom_reward(spec.name)
         except ValueError as e:
             out.append((("grpo", "rewards", i, "name"), spec.name, str(e)))
-    return out
+    from vlmexp.model_rewards.probe import probe_rewards  # judge endpoints answer, reward models are there
+
+    return out + probe_rewards(cfg.grpo.rewards)
 
 
 def check_trl_config(cfg: Config) -> list[Found]:

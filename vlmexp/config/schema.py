@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from vlmexp.config.base import Section, check_template
 
@@ -69,6 +69,13 @@ class RunConfig(Section):
     name: str = Field("vlmexp", description="Experiment name: MLflow experiment, output folder name.")
     output_dir: str | None = Field(None, description="Where every stage writes. Default: outputs/<name>.")
     seed: int = Field(42, description="Seed for sampling, initialisation and training.")
+    on_busy: Literal["refuse", "wait"] = Field(
+        "refuse", description="When another run holds the output folder (a pipeline run, a deployment run, a "
+        "`vlmexp train` by hand, on any machine sharing the folder): refuse at once, naming it, or wait for "
+        "it to end (up to busy_wait_seconds). A holder whose process is gone or whose heartbeat stopped is "
+        "taken over, with a warning.")
+    busy_wait_seconds: PositiveFloat = Field(
+        3600.0, description="With on_busy: wait, how long to wait for the holder before refusing.")
 
     @field_validator("name")
     @classmethod

@@ -17,7 +17,7 @@ from typing import Any
 
 from vlmexp.data.formats import Example, detect_format, parse_record, read_fields
 from vlmexp.data.images import ImageStore, describe
-from vlmexp.data.record import SampledRecord, clash
+from vlmexp.data.record import SampledRecord, reward_name
 from vlmexp.data.turns import Tags
 from vlmexp.errors import Problem
 
@@ -98,7 +98,8 @@ def _binary(value: Any) -> bool:
 def source_extra(record: dict[str, Any], fmt: str) -> dict[str, Any] | Problem:
     """The record's fields its format does not read (`read_fields`), which rewards receive as keyword columns
     as TRL passes every column: JSON values as written; embedded images and bytes left out (a sampled record
-    holds images as paths). A field of another type, or named as one of vlmexp's own columns, is a Problem."""
+    holds images as paths); a field named as one of vlmexp's own columns under `reward_name`. A field of
+    another type is a Problem, and so is a renamed field whose new name the source uses as well."""
     extra = {}
     for name in sorted(set(record) - read_fields(record, fmt)):
         value = record[name]
@@ -111,9 +112,12 @@ def source_extra(record: dict[str, Any], fmt: str) -> dict[str, Any] | Problem:
                            f"a sampled record cannot store as JSON ({e}), so rewards could not receive it as "
                            "a column; convert it to strings, numbers, lists or objects in the source (e.g. "
                            "datasets' `map` then `save_to_disk`, which vlmexp reads)")
-        extra[name] = value
-    if (found := clash(extra)) is not None:
-        return Problem("", *found)
+        if (new := reward_name(name)) != name and new in record:
+            return Problem("", name, f"the source's field {name!r} has the name of vlmexp's reward column "
+                           f"{name!r}, so it reaches the rewards as {new!r}, a field the source has as well; "
+                           f"give one of them another name with `columns: {{<new name>: {name}}}` in its "
+                           "data YAML entry")
+        extra[new] = value
     return extra
 
 

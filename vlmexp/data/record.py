@@ -119,7 +119,8 @@ def read_sampled(path: str | Path) -> list[SampledRecord]:
 
 # The keyword arguments a reward receives besides a record's `extra`: vlmexp's columns (`reward_columns`),
 # GRPO's dataset columns TRL reads itself, and what TRL's GRPOTrainer adds (trl/trainer/grpo_trainer.py,
-# `_calculate_rewards`). A source field of one of these names is refused at sampling (`clash`).
+# `_calculate_rewards`). A source field of one of these names reaches the rewards as `source_<name>`
+# (`reward_name`; the sample report and manifest state it), so a published layout is never refused for it.
 REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
 OWN_COLUMNS = {
     "solution": "the answer rewards grade", "task": "the task that scores the answer",
@@ -133,9 +134,19 @@ OWN_COLUMNS = {
 }
 
 
+RENAMED_PREFIX = "source_"
+
+
+def reward_name(name: str) -> str:
+    """The name a source field reaches the rewards under: its own, or `source_<name>` where vlmexp or TRL
+    passes a keyword of that name (RLAIF-V's `image_path` beside vlmexp's first-image path)."""
+    return RENAMED_PREFIX + name if name in OWN_COLUMNS else name
+
+
 def clash(extra: dict[str, Any]) -> tuple[str, str] | None:
-    """(the field, why) where a record's `extra` cannot reach the rewards under its own name because vlmexp or
-    TRL passes a keyword of that name; None when every field can."""
+    """(the field, why) where a sampled record's `extra` holds a field vlmexp or TRL passes a keyword of that
+    name for (a file written by hand or by an older vlmexp: the sampler renames such fields, `reward_name`);
+    None when every field can reach the rewards."""
     for name in extra:
         if name in OWN_COLUMNS:
             return name, (f"the source's field {name!r} has the name of vlmexp's reward column {name!r} "

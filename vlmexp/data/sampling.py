@@ -23,7 +23,7 @@ from vlmexp.data import llamafactory
 from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE, detect_format, no_format
 from vlmexp.data.images import ImageStore
 from vlmexp.data.normalise import Origin, normalise
-from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256, source_column_names
+from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256, reward_name, source_column_names
 from vlmexp.data.sources import locate, open_table, sha256_file
 from vlmexp.data.strategies import parse_strategy, select_rows
 from vlmexp.errors import DataError, Problem
@@ -52,6 +52,8 @@ class SourceReport:
     dataset: str | None = None  # the dataset of a LLaMA-Factory folder (its dataset_info.json entry)
     # the source's fields the rewards receive besides vlmexp's
     own_columns: list[str] = field(default_factory=list)
+    # the source's fields named as one of vlmexp's reward columns: field -> the name the rewards receive it by
+    renamed_columns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +109,7 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
     except ValueError as e:
         raise DataError(Problem(src.json_path, "sampling_strategy", str(e), src.sampling_strategy)) from None
     image_root = _default_image_root(src, kind)
-    out, tasks, problems, found, embedded = [], set(), [], None, 0
+    out, tasks, problems, found, embedded, renamed = [], set(), [], None, 0, {}
     for i, (where, raw) in zip(keep, table.take(keep)):
         if isinstance(raw, str):
             problems.append(Problem(where, "", raw))
@@ -129,12 +131,14 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
             continue
         tasks.add(kept[0].task)
         embedded += kept[1]
+        renamed.update({n: reward_name(n) for n in record
+                        if reward_name(n) != n and reward_name(n) in kept[0].extra})
         out.append(kept[0])
     report = SourceReport(table.name, table.identity.get("sha256"), src.sampling_strategy,
                           found[0] if found else "", ",".join(sorted(tasks)) or (src.task or ""), image_root,
                           len(table), len(out), kind, table.identity.get("fingerprint"),
                           table.identity.get("revision"), src.columns, embedded, found[1] if found else [],
-                          named.dataset, source_column_names(out))
+                          named.dataset, source_column_names(out), renamed)
     return out, report, problems
 
 
@@ -186,6 +190,7 @@ def format_report(result: SampleResult, explain: bool = False) -> str:
     rows.append(("total", "", "", "", str(sum(s.rows_read for s in result.sources)), str(result.rows)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table += "".join(f"\n{s.json_path}: {renamed_text(s)}" for s in result.sources if s.renamed_columns)
     if not explain:
         return table
     from vlmexp.data.formats import formats_tried
@@ -212,4 +217,15 @@ def explain_source(s: SourceReport) -> str:
         line += f"; columns renamed {s.columns} (field: source column)"
     if s.own_columns:
         line += f"; its own columns {s.own_columns} reach the rewards as keyword arguments"
+    if s.renamed_columns:
+        line += f"; {renamed_text(s)}"
     return line
+
+
+def renamed_text(s: SourceReport) -> str:
+    """What the report says of a source's fields named as vlmexp's reward columns: the names rewards get."""
+    from vlmexp.data.record import OWN_COLUMNS
+
+    each = ", ".join(f"{old!r} as {new!r} (vlmexp's {old!r} is {OWN_COLUMNS[old]})" for old, new in
+                     s.renamed_columns.items())
+    return f"rewards receive the source's field {each}"

@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vlmexp.errors import ReportedError
 from vlmexp.rewards import Reward, RewardError, Unparsable, completion_text, report_counts
 
 
-class ModelRewardError(RewardError):
+class ModelRewardError(RewardError, ReportedError):
     """A model reward cannot score the batch: training stops with this message (the guarded wrapper keeps
-    it)."""
+    it; the command line shows it without a traceback)."""
 
 
 @dataclass(frozen=True)

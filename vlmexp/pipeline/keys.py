@@ -15,7 +15,7 @@ from vlmexp.paths import KEY_FILE, foreign_stage_dir
 RESOLVED_NAME = "config.resolved.yaml"
 
 
-PENDING_NAME = ".config.pending.yaml"
+PENDING_NAME = ".config.pending.yaml"  # `.config.pending-<run id>.yaml` for a run that holds the folder
 
 
 def check_pipeline_parameters(config: object, overrides: object) -> None:
@@ -34,9 +34,9 @@ def check_pipeline_parameters(config: object, overrides: object) -> None:
         raise ConfigError(problems, title="invalid pipeline parameters")
 
 
-def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
+def resolve_config(config: str, overrides: list[str], run_id: str = "") -> tuple[Config, Path]:
     """Load and validate (all problems at once); write the resolved config as
-    <output_dir>/.config.pending.yaml.
+    <output_dir>/.config.pending-<run_id>.yaml (each run's own).
 
     It becomes config.resolved.yaml (`commit_resolved`) only once the data sampled cleanly, so a run that
     fails on its input leaves an existing run's config.resolved.yaml as it was.
@@ -44,7 +44,26 @@ def resolve_config(config: str, overrides: list[str]) -> tuple[Config, Path]:
     from vlmexp.checks.loader import dump_config, load_config
 
     cfg = load_config(config, overrides, check_paths=True, import_rewards=True)
-    return cfg, dump_config(cfg, Path(cfg.run.output_dir) / PENDING_NAME)
+    return cfg, dump_config(cfg, pending_path(cfg.run.output_dir, run_id))
+
+
+def pending_path(output_dir: str | Path, run_id: str = "") -> Path:
+    """Where run `run_id` keeps its resolved config until its data is sampled."""
+    return Path(output_dir) / (PENDING_NAME.replace(".yaml", f"-{run_id}.yaml") if run_id else PENDING_NAME)
+
+
+def run_folder(config: str, overrides: list[str] | None) -> tuple[Path, Config] | None:
+    """The output folder a pipeline run of `config` writes, and the config (checked as far as its schema and
+    names: nothing probed, nothing imported), or None when the config does not load (the pipeline's validate
+    step then reports every problem)."""
+    from vlmexp.checks.loader import load_config
+    from vlmexp.errors import VlmexpError
+
+    try:
+        cfg = load_config(config, overrides or [], check_trl=False)
+    except (VlmexpError, OSError):
+        return None
+    return Path(cfg.run.output_dir), cfg
 
 
 def commit_resolved(pending: str | Path) -> Path:

@@ -21,13 +21,15 @@ RESULT_NAME = "stage_result.json"
 
 
 def run_training_stage(stage: str, resolved: str, key: str, model: str | None, parent_run_id: str,
-                       on_line: Callable[[str], None], force: bool = False) -> StageResult:
+                       on_line: Callable[[str], None], force: bool = False,
+                       held_by: str | None = None) -> StageResult:
     """One training stage, wherever it runs (the flow's train task, or the `vlm-stage` flow on another pool).
 
     The stage folder belongs to `key`: a retry (same key) resumes from the newest checkpoint and reuses the
     stage's MLflow child run; new inputs archive the old folder first. The launched subprocess logs TRL's
     step metrics into that child run. The result is also written to <stage folder>/stage_result.json,
-    which is how a flow on another machine reads it (the output folder is shared).
+    which is how a flow on another machine reads it (the output folder is shared). `held_by`: the run that
+    holds the output folder (vlmexp.pipeline.hold), passed to the stage process as `--held-by`.
     """
     from vlmexp.data.run_data import sampled_manifests
     from vlmexp.launch import stage_command
@@ -47,7 +49,7 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
         run_file.write_text(run_id + "\n")
         tracker.log_datasets(run_id, {k: v for k, v in sampled_manifests(cfg).items() if k == "training"})
     command = stage_command(cfg.launch, stage, resolved, model, run_id=f"{cfg.run.name}-{stage}",
-                            mlflow_run_id=run_id or None, checked=True)
+                            mlflow_run_id=run_id or None, checked=True, held_by=held_by)
     on_line("running " + " ".join(command))
     start = time.monotonic()
     try:
@@ -55,7 +57,11 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     except BaseException as e:  # stopped (Ctrl-C, SIGTERM, a cancel): KILLED, as MLflow names a stopped run
         stopped = (isinstance(e, (StageInterrupted, KeyboardInterrupt))
                    or type(e).__name__ == "TerminationSignal")
-        tracker.end(run_id, "KILLED" if stopped else "FAILED")
+        try:
+            tracker.end(run_id, "KILLED" if stopped else "FAILED")
+        except Exception as closing:  # noqa: BLE001 - a store on the disk that filled: the stage's error stays
+            on_line(f"could not close MLflow run {run_id} as {'KILLED' if stopped else 'FAILED'} "
+                    f"({closing.__class__.__name__}: {str(closing)[:300]})")
         raise
     seconds = time.monotonic() - start
     if tracker.enabled:  # what the stage's store did not take before the stage ended (the curves read it)

@@ -53,12 +53,15 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from transformers import set_seed
 
     from vlmexp.data.run_data import prepare_data
+    from vlmexp.disk import warn_if_short
     from vlmexp.families import detect_family
+    from vlmexp.model_rewards.probe import check_model_rewards
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor
     from vlmexp.train.validation import check_sharding
 
     check_hardware(getattr(cfg, stage), stage)
+    check_model_rewards(cfg, stage)  # a judge endpoint that is down, before any model loads
     check_sharding(cfg, stage)  # validation during training with sharded parameters over several processes
     set_seed(cfg.run.seed)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
@@ -80,6 +83,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     processor = load_processor(model_path, family, cfg.model.image_knobs,
                                trust_remote_code=cfg.model.trust_remote_code)
     stage_dir = Path(cfg.run.output_dir) / stage
+    warn_if_short(cfg.run.output_dir, model_path, getattr(cfg, stage).peft is None)
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
     if state.is_main_process and not (stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(stage_dir):
         # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here before anything
