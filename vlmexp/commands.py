@@ -271,6 +271,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                             run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id, checked=args.checked)
     if args.dry_run:
         print(shlex.join(command))
+        if cfg.launch.launcher == "ray":
+            from vlmexp.launch import ray_submission
+
+            print(ray_submission(cfg.launch))
         return 0
     if cfg.launch.launcher != "local" and not args.in_process and not is_launched_process():
         print(f"launching: {shlex.join(command)}", file=sys.stderr, flush=True)

@@ -54,8 +54,10 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     except BaseException as e:  # stopped (Ctrl-C, SIGTERM, a cancel): KILLED, as MLflow names a stopped run
         stopped = (isinstance(e, (StageInterrupted, KeyboardInterrupt))
                    or type(e).__name__ == "TerminationSignal")
+        _tag_ray_run(tracker, run_id, cfg, stage)
         tracker.end(run_id, "KILLED" if stopped else "FAILED")
         raise
+    _tag_ray_run(tracker, run_id, cfg, stage)
     seconds = time.monotonic() - start
     png = plot_curves(tracker, run_id, curve_keys(tracker, run_id, stage), stage_dir / "curves.png",
                       f"{cfg.run.name} {stage}: {'rewards' if stage == 'grpo' else 'loss'} by step")
@@ -75,6 +77,15 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     result = StageResult(stage=stage, final=str(stage_dir / "final"), key=key, run_id=run_id, seconds=seconds,
                          validation=json.loads(summary.read_text()) if summary.is_file() else None)
     return write_result(stage_dir, result)
+
+
+def _tag_ray_run(tracker, run_id: str, cfg, stage: str) -> None:
+    """launch.launcher ray: the cluster, Ray's ids, the node count and each worker's node and resources as
+    the stage run's tags."""
+    if cfg.launch.launcher == "ray":
+        from vlmexp.ray_launch import ray_dir, run_tags
+
+        tracker.set_tags(run_id, run_tags(ray_dir(cfg, stage)))
 
 
 def write_result(folder: Path, result: R) -> R:
