@@ -141,7 +141,8 @@ def test_a_lost_node_resumes_and_ctrl_c_leaves_nothing_on_the_cluster(cluster, t
     assert time.monotonic() - start < 30, run.text()[-3000:]
     assert "stopped: the Ray run left nothing on the cluster" in run.text(), run.text()[-3000:]
     actors = list_actors(address=cluster.dashboard, filters=[("job_id", "=", job)])
-    assert all(a.state == "DEAD" for a in actors), actors
+    # Ray Train's AutoscalingCoordinator is one detached actor per cluster, shared by every Train run
+    assert all(a.state == "DEAD" for a in actors if a.class_name != "_AutoscalingCoordinatorActor"), actors
     groups = list_placement_groups(address=cluster.dashboard, detail=True)
     assert all(g.state == "REMOVED" for g in groups if g.creator_job_id == job), groups
     assert not cluster.processes("ray::RayTrainWorker", "ray::TrainController")

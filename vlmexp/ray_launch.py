@@ -31,7 +31,12 @@ from typing import Any
 
 from vlmexp.config.schema import Config, RayLaunchConfig
 
-LEFTOVER_WAIT = 25.0  # seconds a stopped run's actors and placement groups have to leave the cluster
+# seconds a stopped run's actors and placement groups have to leave the cluster (the pipeline kills a stage's
+# driver STOP_GRACE = 15 s after passing a stop on)
+LEFTOVER_WAIT = 12.0
+# Ray Train's one actor per cluster, shared by every Train run (detached, named AutoscalingCoordinator, created
+# by the first run on the cluster and reused by the later ones): the cluster's, not a run's
+CLUSTER_SERVICES = ("_AutoscalingCoordinatorActor",)
 
 
 def ray_dir(cfg: Config, stage: str) -> Path:
@@ -161,27 +166,30 @@ def _fit(trainer, job_id: str) -> int:
 
 def wait_until_gone(job_id: str, wait: float = LEFTOVER_WAIT) -> list[str]:
     """Wait until job `job_id`'s actors and placement groups are gone from the cluster; what is left."""
-    import ray
+    from ray.experimental.internal_kv import _internal_kv_get
 
-    look = ray.remote(num_cpus=0, max_retries=0)(leftovers)
+    dashboard = _internal_kv_get("dashboard", namespace="dashboard")  # where the head serves the state API
+    if not dashboard:
+        return ["what could not be read: the cluster runs no dashboard (Ray's state API)"]
     left: list[str] = []
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        left = ray.get(look.remote(job_id), timeout=wait)
+        left = leftovers(job_id, f"http://{dashboard.decode()}")
         if not left:
             break
-        time.sleep(1.0)
+        time.sleep(0.5)
     return left
 
 
-def leftovers(job_id: str) -> list[str]:
-    """The actors (other than the caller's own task) and placement groups of job `job_id` still on the
-    cluster, read through Ray's state API (from a node of the cluster, where it finds the API server)."""
+def leftovers(job_id: str, address: str) -> list[str]:
+    """The actors and placement groups of job `job_id` still on the cluster, read through Ray's state API at
+    `address` (the head's dashboard)."""
     from ray.util.state import list_actors, list_placement_groups
 
-    actors = list_actors(filters=[("job_id", "=", job_id)], raise_on_missing_output=False)
-    groups = list_placement_groups(detail=True, raise_on_missing_output=False)
-    return ([f"actor {a.class_name} ({a.state})" for a in actors if a.state != "DEAD"]
+    actors = list_actors(address=address, filters=[("job_id", "=", job_id)], raise_on_missing_output=False)
+    groups = list_placement_groups(address=address, detail=True, raise_on_missing_output=False)
+    return ([f"actor {a.class_name} ({a.state})" for a in actors
+             if a.state != "DEAD" and a.class_name not in CLUSTER_SERVICES]
             + [f"placement group {g.placement_group_id} ({g.state})" for g in groups
                if g.creator_job_id == job_id and g.state != "REMOVED"])
 
