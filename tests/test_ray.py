@@ -215,3 +215,35 @@ def test_ray_settings_that_cannot_work_are_refused(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO, overrides)
+
+
+@pytest.mark.slow
+def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_home, run_inputs):
+    """`prefect deployment run 'vlm-pipeline/manual'` with GRPO on the stage deployment `vlm-stage/gpu`: the
+    stage's flow run on the `gpu` pool submits GRPO to the cluster, its log has the workers' lines with their
+    ranks and nodes, and the pipeline completes with GRPO's MLflow run tagged with the cluster's two nodes."""
+    from mlflow.tracking import MlflowClient
+    from prefect_server import BIN, create_pools_and_deploy, prefect_server
+    from test_stage_deployments import _flow_runs, _wait_for_pipeline_run
+
+    out = tmp_path / "run"
+    params = {"config": "configs/demo.yaml", "overrides": [
+        *STEPS, f"run.output_dir={out}", *run_inputs(out), "sft.enabled=false", "grpo.args.max_steps=2",
+        "pipeline.stage_deployments={grpo: vlm-stage/gpu}", *on_ray(cluster.client)]}
+    with prefect_server(tmp_path, prefect_home) as server:
+        create_pools_and_deploy(server)
+        server.worker("gpu", query_seconds=3)
+        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
+                                  "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
+                                 env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
+                                 stderr=subprocess.STDOUT)
+        _wait_for_pipeline_run(server.url, watch)
+        server.worker("cpu", "--run-once")
+        assert watch.wait(1600) == 0, (tmp_path / "watch.log").read_text()[-3000:]
+        runs, logs = _flow_runs(server.url)
+    [(stage, log)] = [(r, logs[str(r.id)]) for name, r, _ in runs if name == "vlm-stage"]
+    assert stage.work_pool_name == "gpu" and stage.state.name == "Completed"
+    assert "-m vlmexp.ray_launch train grpo" in log and "[rank 1 node " in log, log[-3000:]
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    tags = client.get_run((out / "grpo" / "mlflow_run_id").read_text().strip()).data.tags
+    assert tags["ray.cluster"] == cluster.client and tags["ray.nodes"] == "2", tags
