@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(HAS_GPU),,$(PIP) install -q --no-compile torch==2.13.0 $(TORCH_PIN))
-	$(PIP) install -q --no-compile -c constraints.txt $(TORCH_PIN) -e '.[test,k8s]'
+	$(PIP) install -q --no-compile -c constraints.txt $(TORCH_PIN) -e '.[test,k8s,ray]'
 	# DeepSpeed from its sdist without compiling ops (JIT-built on a GPU box when first used);
 	# without build isolation so it builds against the torch installed above.
 	DS_BUILD_OPS=0 $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt $(TORCH_PIN) deepspeed

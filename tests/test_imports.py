@@ -87,9 +87,10 @@ FLOORS = (
     ("vlmexp.coords", "vlmexp.detection"),
     # the configuration's ground floor (schema, YAML, TRL arguments, reference) and generic path predicates
     ("vlmexp.config", "vlmexp.paths"),
-    # what reads a config or a family: data, rule-based rewards, processors, tiny models, results
-    ("vlmexp.data", "vlmexp.rewards", "vlmexp.processor", "vlmexp.tiny", "vlmexp.launch", "vlmexp.results",
-     "vlmexp.summary"),
+    # what reads a config or a family: data, rule-based rewards, processors, tiny models, launchers (a Ray
+    # cluster's checks among them), results
+    ("vlmexp.data", "vlmexp.rewards", "vlmexp.processor", "vlmexp.tiny", "vlmexp.launch",
+     "vlmexp.ray_cluster", "vlmexp.results", "vlmexp.summary"),
     # prompts from records, pictures of boxes, loading models
     ("vlmexp.prompts", "vlmexp.pictures", "vlmexp.modeling"),
     # the one generation engine
@@ -107,8 +108,8 @@ FLOORS = (
     ("vlmexp.train", "vlmexp.evaluate"),
     # what the pipeline's process does: stages' folders and keys, export
     ("vlmexp.pipeline", "vlmexp.export"),
-    # the command line
-    ("vlmexp.commands", "vlmexp.cli"),
+    # the command line, and the driver of a stage on a Ray cluster (it runs the command in each worker)
+    ("vlmexp.commands", "vlmexp.cli", "vlmexp.ray_launch"),
 )
 # Packages of one floor that never import each other.
 SIBLINGS = (("vlmexp.train", "vlmexp.evaluate"),)

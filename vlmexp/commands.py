@@ -276,6 +276,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(shlex.join(stage_command(cfg.launch, args.stage, args.config, args.model, args.overrides,
                                        run_id=cfg.run.name, mlflow_run_id=args.mlflow_run_id,
                                        checked=args.checked, held_by=args.held_by)))
+        if cfg.launch.launcher == "ray":
+            from vlmexp.launch import ray_submission
+
+            print(ray_submission(cfg.launch))
         return 0
     # a full disk (the weights, the optimizer state, the MLflow store, the hold) said as such
     full = getattr(cfg, args.stage).peft is None

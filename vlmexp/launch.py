@@ -2,7 +2,8 @@
 
 `local` runs one process; `torchrun` and `accelerate` start `nproc_per_node` processes on each of `nnodes`
 machines (run the same command on every node with its own `launch.node_rank`); `deepspeed` reads a
-hostfile and starts every node from node 0 over ssh (pdsh). Whatever the launcher, each process runs
+hostfile and starts every node from node 0 over ssh (pdsh); `ray` runs a driver (vlmexp.ray_launch) that
+submits the stage to a running Ray cluster as Ray Train workers. Whatever the launcher, each process runs
 `python -m vlmexp.cli train STAGE --config C --in-process` (with `--checked` when C is a run's resolved
 config, as the pipeline starts a stage), and the DeepSpeed JSON reaches the Trainer through
 `TrainingArguments.deepspeed` (so the same file works with every launcher).
@@ -39,6 +40,8 @@ def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: s
     n, nodes = launch.nproc_per_node, launch.nnodes
     if launch.launcher == "local":
         return [sys.executable, "-m", *inner]
+    if launch.launcher == "ray":  # the driver; each Ray Train worker runs `vlmexp.cli` with these arguments
+        return [sys.executable, "-m", "vlmexp.ray_launch", *inner[1:]]
     if launch.launcher == "torchrun":
         cmd = [_tool("torchrun"), f"--nproc_per_node={n}", f"--nnodes={nodes}"]
         if nodes > 1:
@@ -67,6 +70,18 @@ def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: s
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         cmd += [f"--master_addr={host}", f"--master_port={port}"]
     return [*cmd, f"--num_gpus={n}", "--module", *inner]
+
+
+def ray_submission(launch: LaunchConfig) -> str:
+    """What the Ray driver submits, in words (`vlmexp train --dry-run`): the cluster, the workers, each
+    worker's resources, their placement, the restarts and the runtime environment."""
+    r = launch.ray
+    assert r is not None
+    each = {"GPU": r.gpus_per_worker, "CPU": r.cpus_per_worker, **r.resources_per_worker}
+    return (f"Ray Train TorchTrainer on {r.address}: {r.num_workers} workers, each "
+            + ", ".join(f"{v:g} {k}" for k, v in each.items())
+            + f"; placement {r.placement_strategy}; up to {r.max_failures} worker-group restarts from the "
+            f"newest checkpoint; runtime_env {r.runtime_env or 'none (the nodes have vlmexp installed)'}")
 
 
 def is_launched_process() -> bool:

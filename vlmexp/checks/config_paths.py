@@ -89,6 +89,12 @@ def check_config_paths(cfg: Config) -> list[Found]:
         _, msg = read_json_file(launch.deepspeed)
         if msg:
             out.append((("launch", "deepspeed"), launch.deepspeed, msg))
+    from vlmexp.launch import is_launched_process
+
+    if launch.launcher == "ray" and not is_launched_process():  # a worker's cluster was checked by its driver
+        from vlmexp.ray_cluster import check_ray_launch
+
+        out += check_ray_launch(cfg)
     return out
 
 

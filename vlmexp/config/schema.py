@@ -343,12 +343,39 @@ class PipelineConfig(Section):
         return value
 
 
+class RayLaunchConfig(Section):
+    """A stage on a running Ray cluster (launch.launcher: ray): Ray Train's TorchTrainer runs the stage
+    function in `num_workers` workers (vlmexp.ray_launch)."""
+
+    address: str = Field(..., description="The running cluster: ray://HEAD:10001 (Ray Client: this "
+                         "machine need not be a node), HEAD:6379 (the GCS address, from a node), or auto "
+                         "(the cluster this node belongs to).")
+    num_workers: PositiveInt = Field(1, description="Training processes (ranks); one GPU each when "
+                                     "gpus_per_worker is 1.")
+    gpus_per_worker: float = Field(0, ge=0, description="GPUs each worker reserves (0 trains on CPU).")
+    cpus_per_worker: float = Field(1, ge=0, description="CPUs each worker reserves.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources each worker reserves, e.g. {node_a: 1} or "
+        "{\"accelerator_type:H100\": 0.001}.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How the workers' placement group spreads over nodes (Ray's strategies): "
+        "STRICT_SPREAD puts each worker on its own node.")
+    max_failures: int = Field(0, ge=0, description="Worker-group failures Ray restarts the stage after (it "
+                              "resumes from the newest complete checkpoint); 0: the first fails the stage.")
+    runtime_env: dict | None = Field(None, description="Ray's runtime environment for nodes that lack the "
+                                     "code, e.g. {working_dir: ., pip: [...]}; null: the nodes have vlmexp "
+                                     "installed.")
+
+
 class LaunchConfig(Section):
     """How a training stage's process is started (vlmexp.launch.stage_command)."""
 
-    launcher: Literal["local", "torchrun", "accelerate", "deepspeed"] = Field(
+    launcher: Literal["local", "torchrun", "accelerate", "deepspeed", "ray"] = Field(
         "local", description="local: one process; torchrun, "
-        "accelerate or deepspeed: their launcher around it.")
+        "accelerate or deepspeed: their launcher around it; ray: Ray Train workers on the cluster at "
+        "launch.ray.address.")
+    ray: RayLaunchConfig | None = Field(None, description="launcher ray: the cluster, the workers and their "
+                                        "resources.")
     nproc_per_node: PositiveInt = Field(1, description="Processes (GPUs) per node.")
     nnodes: PositiveInt = Field(1, description="Nodes taking part.")
     node_rank: int = Field(0, ge=0, description="This node's rank, 0 to nnodes - 1.")
@@ -375,6 +402,14 @@ class LaunchConfig(Section):
         if self.accelerate_config and self.launcher != "accelerate":
             raise ValueError("launch.accelerate_config is read by accelerate only; "
                              f"launcher is {self.launcher!r}")
+        if self.launcher == "ray" and self.ray is None:
+            raise ValueError("launcher 'ray' needs launch.ray with its address, e.g. "
+                             "launch.ray: {address: 'ray://head:10001', num_workers: 2}")
+        if self.launcher != "ray" and self.ray is not None:
+            raise ValueError(f"launch.ray is read by launcher ray only; launcher is {self.launcher!r}")
+        if self.launcher == "ray" and (self.nproc_per_node > 1 or self.nnodes > 1 or self.hostfile):
+            raise ValueError("launcher 'ray' places launch.ray.num_workers workers itself: remove "
+                             "launch.nproc_per_node, launch.nnodes and launch.hostfile")
         return self
 
 

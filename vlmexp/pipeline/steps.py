@@ -58,11 +58,13 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
         stopped = (isinstance(e, (StageInterrupted, KeyboardInterrupt))
                    or type(e).__name__ == "TerminationSignal")
         try:
+            _tag_ray_run(tracker, run_id, cfg, stage)
             tracker.end(run_id, "KILLED" if stopped else "FAILED")
         except Exception as closing:  # noqa: BLE001 - a store on the disk that filled: the stage's error stays
             on_line(f"could not close MLflow run {run_id} as {'KILLED' if stopped else 'FAILED'} "
                     f"({closing.__class__.__name__}: {str(closing)[:300]})")
         raise
+    _tag_ray_run(tracker, run_id, cfg, stage)
     seconds = time.monotonic() - start
     if tracker.enabled:  # what the stage's store did not take before the stage ended (the curves read it)
         send_spooled(stage_dir)
@@ -84,6 +86,15 @@ def run_training_stage(stage: str, resolved: str, key: str, model: str | None, p
     result = StageResult(stage=stage, final=str(stage_dir / "final"), key=key, run_id=run_id, seconds=seconds,
                          validation=json.loads(summary.read_text()) if summary.is_file() else None)
     return write_result(stage_dir, result)
+
+
+def _tag_ray_run(tracker, run_id: str, cfg, stage: str) -> None:
+    """launch.launcher ray: the cluster, Ray's ids, the node count and each worker's node and resources as
+    the stage run's tags."""
+    if cfg.launch.launcher == "ray":
+        from vlmexp.ray_cluster import ray_dir, run_tags
+
+        tracker.set_tags(run_id, run_tags(ray_dir(cfg, stage)))
 
 
 def write_result(folder: Path, result: R) -> R:

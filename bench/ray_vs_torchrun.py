@@ -1,0 +1,78 @@
+"""The same GRPO stage with 2 workers on CPU under `launch.launcher: ray` (a 2-node Ray cluster of `ray start`
+processes on this machine, started and ended by this script) and under torchrun (2 processes), in one run:
+the step time and the time from the command's start to the end of the first step.
+
+    python bench/ray_vs_torchrun.py OUT_DIR [--steps 10] [--runs 1]
+
+Step time: the Trainer's `train_runtime` over the steps (its own clock, from the first step's start).
+Time to the first step: from the command's start to checkpoint-1's trainer_state.json (saved after step 1, the
+same save under both launchers). Prints one line per run and launcher. Results: bench/RESULTS.md, "Ray
+against torchrun".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.ray_cluster import ray_test_cluster  # noqa: E402
+
+GRPO = ["tracking.backend=none", "data.demo.train=64", "data.demo.val=8", "sft.enabled=false",
+        "grpo.args.per_device_train_batch_size=8", "grpo.args.gradient_accumulation_steps=1",
+        "grpo.args.num_generations=8", "grpo.args.max_completion_length=16", "grpo.args.logging_steps=1",
+        "grpo.args.save_steps=1", "grpo.args.save_only_model=true", "grpo.resume=false", "eval.every_steps=0"]
+
+
+def launch(name: str, address: str) -> list[str]:
+    if name == "torchrun":
+        return ["launch.launcher=torchrun", "launch.nproc_per_node=2"]
+    ray = {"address": address, "num_workers": 2, "placement_strategy": "STRICT_SPREAD"}
+    return ["launch.launcher=ray", f"launch.ray={json.dumps(ray)}"]
+
+
+def one_run(name: str, out: Path, steps: int, address: str, model: str) -> tuple[float, float]:
+    """(seconds a step, seconds from the command's start to the end of step 1) for one GRPO stage."""
+    start = time.time()
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+                        f"run.output_dir={out}", f"model.path={model}", f"grpo.args.max_steps={steps}",
+                        *GRPO, *launch(name, address)], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{name}: the stage failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    first = (out / "grpo" / "checkpoint-1" / "trainer_state.json").stat().st_mtime - start
+    final = json.loads((out / "grpo" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    runtime = next(e["train_runtime"] for e in final["log_history"] if "train_runtime" in e)
+    return runtime / steps, first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="a folder for the runs' output folders")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    model = out / "tiny"
+    if not model.is_dir():
+        subprocess.run([sys.executable, "-m", "vlmexp.cli", "make-tiny-model", str(model)], check=True,
+                       cwd=REPO)
+    with ray_test_cluster() as cluster:
+        for i in range(args.runs):
+            times = {}
+            for name in ("torchrun", "ray"):  # alternating, so a change in the machine's load hits both alike
+                times[name] = one_run(name, out / f"{name}{i}", args.steps, cluster.client, str(model))
+                print(f"run {i + 1} {name}: {times[name][0]:.3f} s a step, first step done "
+                      f"{times[name][1]:.1f} s after the start", flush=True)
+            step, first = (times["ray"][k] / times["torchrun"][k] for k in (0, 1))
+            print(f"run {i + 1}: ray / torchrun step time {times['ray'][0] / times['torchrun'][0]:.3f}; "
+                  f"first step {times['ray'][1] - times['torchrun'][1]:+.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""launch.launcher: ray on a real 2-node Ray cluster started on this machine (tests/ray_cluster.py, shared by
+the module's tests, its processes ended by PID): the pipeline's stages as Ray Train workers on different
+nodes, their losses against torchrun's, a lost node, a stop, and each refusal before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_BATCHES, as_a_terminal_job
+from tests.ray_cluster import free_port, ray_test_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs/demo.yaml")
+STEPS = ["data.demo.train=32", "data.demo.val=8", *SMALL_BATCHES, "sft.args.logging_steps=1",
+         "grpo.args.logging_steps=1", "grpo.args.max_completion_length=8", "eval.enabled=false",
+         "export.enabled=false", "pipeline.retry_delay_seconds=1"]
+
+
+def on_ray(address: str, **more) -> list[str]:
+    ray = {"address": address, "num_workers": 2, "placement_strategy": "STRICT_SPREAD", **more}
+    return ["launch.launcher=ray", f"launch.ray={json.dumps(ray)}"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_test_cluster() as c:
+        yield c
+
+
+class Run:
+    """`vlmexp run` on the demo config in a process group of its own (as a terminal's job); its log, its
+    MLflow store read back."""
+
+    def __init__(self, out: Path, overrides: list[str]):
+        self.out = out
+        self.cmd = [sys.executable, "-m", "vlmexp.cli", "run", DEMO, f"run.output_dir={out}", *overrides]
+        self.env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+
+    def start(self, name: str) -> subprocess.Popen:
+        self.log = self.out.parent / f"{name}.log"
+        return subprocess.Popen(self.cmd, cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                env=self.env, start_new_session=True, preexec_fn=as_a_terminal_job)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def stage_runs(self):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{self.out / 'mlflow.db'}")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        return client, {r.info.run_name: r for r in runs}
+
+
+def steps_logged(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+def test_sft_and_grpo_run_on_two_nodes_from_the_pipeline(cluster, tmp_path, prefect_home, run_inputs):
+    """`vlmexp run` through Ray Client, 2 workers on different nodes: SFT and GRPO complete; each worker's
+    line comes back with its rank and node; each worker trains on its share of the data; the stage runs' tags
+    name the cluster, the nodes and each worker's node and resources; SFT's first losses equal those of
+    torchrun with 2 processes on the same data and seed."""
+    out = tmp_path / "out"
+    run = Run(out, [*STEPS, "sft.args.max_steps=2", "grpo.args.max_steps=2", *on_ray(cluster.client),
+                    *run_inputs(out)])
+    assert run.start("ray").wait(timeout=900) == 0, run.text()[-4000:]
+    log = run.text()
+    client, runs = run.stage_runs()
+    assert {"demo-sft", "demo-grpo"} <= runs.keys(), runs.keys()
+    for stage in ("sft", "grpo"):
+        stage_run = runs[f"demo-{stage}"]
+        assert stage_run.info.status == "FINISHED"
+        tags = stage_run.data.tags
+        assert tags["ray.cluster"] == cluster.client and tags["ray.nodes"] == "2", tags
+        assert re.fullmatch(r"\d+", tags["ray.job_id"].lstrip("0") or "0") and tags["ray.run_name"], tags
+        nodes = [re.match(r"node (\w+) ", tags[f"ray.worker.{rank}"]).group(1) for rank in (0, 1)]
+        assert nodes[0] != nodes[1] and all("1 CPU" in tags[f"ray.worker.{r}"] for r in (0, 1)), tags
+        for rank, node in enumerate(nodes):  # the workers' lines, in the task's log
+            assert f"[rank {rank} node {node} " in log, log[-3000:]
+        key = "loss" if stage == "sft" else "reward"
+        assert steps_logged(client, stage_run.info.run_id, key) == [1, 2]
+    # 2 workers x 8 records a step, of 32: an epoch is 2 steps (one worker alone would take 4)
+    sft_log = json.loads((out / "sft" / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert [e["epoch"] for e in sft_log if "loss" in e] == [0.5, 1.0]
+    assert (out / "grpo" / "final").is_dir()
+
+    hand = tmp_path / "torchrun"
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", DEMO,
+                        f"run.output_dir={hand}", *STEPS, "sft.args.max_steps=2", "tracking.backend=none",
+                        "launch.launcher=torchrun", "launch.nproc_per_node=2", *run_inputs(hand)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun_log = json.loads((hand / "sft/checkpoint-2/trainer_state.json").read_text())["log_history"]
+    losses = [[e["loss"] for e in history if "loss" in e] for history in (sft_log, torchrun_log)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4), losses
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, run: Run, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, run.text()[-3000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_and_ctrl_c_leaves_nothing_on_the_cluster(cluster, tmp_path, prefect_home,
+                                                                      run_inputs):
+    """A worker node killed after SFT's checkpoint-2 (its Ray processes, as a machine lost) and a node back
+    in its place: Ray restarts the worker group, which resumes from the newest checkpoint. Then Ctrl-C to the
+    whole run: it exits 130 within 30 s and leaves nothing of the Ray run on the cluster (no actor, no
+    placement group: Ray's state API; no worker process). The same command again resumes and completes,
+    every MLflow step logged once."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    out = tmp_path / "out"
+    run = Run(out, [*STEPS, "sft.args.max_steps=14", "sft.args.save_steps=2", "grpo.enabled=false",
+                    *on_ray(cluster.client, max_failures=1), *run_inputs(out)])
+    first = run.start("first")
+    _wait_for(out / "sft" / "checkpoint-2" / "trainer_state.json", first, run)
+    cluster.kill_node("b")
+    cluster.start_node_b()
+    _wait_for(out / "sft" / "checkpoint-6" / "trainer_state.json", first, run)
+    log = run.text()
+    assert re.search(r"\(resume: \S+/sft/checkpoint-[2-6]\)", log), log[-3000:]  # the restarted group resumed
+    job = json.loads((out / "ray" / "sft" / "run.json").read_text())["job_id"]
+
+    start = time.monotonic()
+    os.killpg(first.pid, signal.SIGINT)
+    assert first.wait(timeout=60) == 130, run.text()[-3000:]
+    assert time.monotonic() - start < 30, run.text()[-3000:]
+    assert "stopped: the Ray run left nothing on the cluster" in run.text(), run.text()[-3000:]
+    actors = list_actors(address=cluster.dashboard, filters=[("job_id", "=", job)])
+    # Ray Train's AutoscalingCoordinator is one detached actor per cluster, shared by every Train run
+    assert all(a.state == "DEAD" for a in actors if a.class_name != "_AutoscalingCoordinatorActor"), actors
+    groups = list_placement_groups(address=cluster.dashboard, detail=True)
+    assert all(g.state == "REMOVED" for g in groups if g.creator_job_id == job), groups
+    assert not cluster.processes("ray::RayTrainWorker", "ray::TrainController")
+
+    second = run.start("second")
+    assert second.wait(timeout=900) == 0, run.text()[-3000:]
+    client, runs = run.stage_runs()
+    assert runs["demo-sft"].info.status == "FINISHED"
+    assert steps_logged(client, runs["demo-sft"].info.run_id, "loss") == list(range(1, 15))
+
+
+@pytest.mark.slow
+def test_asking_more_than_the_cluster_has_is_refused_before_any_work(cluster, tmp_path, vlmexp_main):
+    """`vlmexp validate`: GPUs, CPUs and a custom resource beyond the cluster's totals, and more nodes than
+    it has for STRICT_SPREAD, each named with both figures."""
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}",
+                             *on_ray(cluster.gcs, num_workers=3, gpus_per_worker=1, cpus_per_worker=2,
+                                     resources_per_worker={"node_a": 1}))
+    assert rc == 2, err
+    for said in ("3 workers x 1 GPU ask for 3 GPU in all, and the cluster at", "has 0",
+                 "3 workers x 2 CPU ask for 6 CPU in all", "has 2", "3 workers x 1 node_a ask for 3 node_a",
+                 "has 1", "STRICT_SPREAD puts each of the 3 workers on a node of its own", "has 2 nodes"):
+        assert said in err, err
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", *on_ray(cluster.gcs))
+    assert rc == 0, err
+
+
+def test_dry_run_prints_the_driver_and_what_it_submits(vlmexp_main):
+    rc, out, err = vlmexp_main("train", "grpo", "--config", DEMO, "--dry-run", "launch.deepspeed=x.json",
+                               *on_ray("ray://head:10001", gpus_per_worker=1, max_failures=2,
+                                       resources_per_worker={"node_a": 1}))
+    assert rc == 0, err
+    command, submission = out.strip().splitlines()
+    assert command.startswith(f"{sys.executable} -m vlmexp.ray_launch train grpo --config {DEMO} "
+                              "--in-process")
+    assert submission == ("Ray Train TorchTrainer on ray://head:10001: 2 workers, each 1 GPU, 1 CPU, 1 "
+                          "node_a; placement STRICT_SPREAD; up to 2 worker-group restarts from the newest "
+                          "checkpoint; runtime_env none (the nodes have vlmexp installed)")
+
+
+def test_an_address_nothing_answers_at_is_refused_with_how_to_start_a_cluster(vlmexp_main, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", *on_ray(address))
+    assert rc == 2
+    assert f"no Ray cluster answers at {address}" in err and "ray start --head --port=6379" in err, err
+    assert "launch.ray.address" in err, err
+
+
+def test_without_ray_installed_the_extra_is_named():
+    """`vlmexp validate` where `import ray` fails (as in an install without the extra)."""
+    code = ("import sys; sys.modules['ray'] = None; from vlmexp.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "validate", DEMO, *on_ray("ray://head:10001")], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "launcher 'ray' needs Ray Train, which is not installed here" in r.stderr, r.stderr
+    assert "pip install 'vlmexp[ray]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["launch.launcher=ray"], "launcher 'ray' needs launch.ray with its address"),
+    (["launch.ray={address: auto}"], "launch.ray is read by launcher ray only"),
+    ([*on_ray("auto"), "launch.nproc_per_node=2"], "places launch.ray.num_workers workers itself"),
+    ([*on_ray("auto", placement_strategy="ANYWHERE")], "STRICT_SPREAD"),
+    ([*on_ray("auto", gpus_per_worker=-1)], "greater than or equal to 0"),
+])
+def test_ray_settings_that_cannot_work_are_refused(overrides, message):
+    from vlmexp.checks.loader import load_config
+    from vlmexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)
+
+
+@pytest.mark.slow
+def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_home, run_inputs):
+    """`prefect deployment run 'vlm-pipeline/manual'` with GRPO on the stage deployment `vlm-stage/gpu`: the
+    stage's flow run on the `gpu` pool submits GRPO to the cluster, its log has the workers' lines with their
+    ranks and nodes, and the pipeline completes with GRPO's MLflow run tagged with the cluster's two nodes."""
+    from mlflow.tracking import MlflowClient
+    from prefect_server import BIN, create_pools_and_deploy, prefect_server
+    from test_stage_deployments import _flow_runs, _wait_for_pipeline_run
+
+    out = tmp_path / "run"
+    params = {"config": "configs/demo.yaml", "overrides": [
+        *STEPS, f"run.output_dir={out}", *run_inputs(out), "sft.enabled=false", "grpo.args.max_steps=2",
+        "pipeline.stage_deployments={grpo: vlm-stage/gpu}", *on_ray(cluster.client)]}
+    with prefect_server(tmp_path, prefect_home) as server:
+        create_pools_and_deploy(server)
+        server.worker("gpu", query_seconds=3)
+        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
+                                  "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
+                                 env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
+                                 stderr=subprocess.STDOUT)
+        _wait_for_pipeline_run(server.url, watch)
+        server.worker("cpu", "--run-once")
+        assert watch.wait(1600) == 0, (tmp_path / "watch.log").read_text()[-3000:]
+        runs, logs = _flow_runs(server.url)
+    [(stage, log)] = [(r, logs[str(r.id)]) for name, r, _ in runs if name == "vlm-stage"]
+    assert stage.work_pool_name == "gpu" and stage.state.name == "Completed"
+    assert "-m vlmexp.ray_launch train grpo" in log and "[rank 1 node " in log, log[-3000:]
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    tags = client.get_run((out / "grpo" / "mlflow_run_id").read_text().strip()).data.tags
+    assert tags["ray.cluster"] == cluster.client and tags["ray.nodes"] == "2", tags
