@@ -5,7 +5,6 @@ path."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -50,7 +50,8 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     model, peft_config = load_model(inputs)
     # completions then start inside <think> (the format reward reads so)
     thinking = prefills_think(inputs.processor)
-    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking) for r in specs]
+    rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)
+               for r in specs]
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     if cfg.grpo.tools.names:  # the family's tool template and response parser (vlmexp.families)
         inputs.family.use_tools(inputs.processor)
