@@ -5,6 +5,7 @@ path."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -136,3 +137,52 @@ def test_grpo_zooms_through_trls_tool_loop_and_the_loss_sees_the_crop(tmp_path, 
     assert len(loss) == 1 and holds_rows(loss[0], crop_rows) and holds_rows(loss[0], full_rows)
     # 4 prompts x 2: 8 full images, + 2 crops (zoom) + 2 x 2 (forever)
     assert loss[0].size(0) == 8 * full_rows.size(0) + 6 * crop_rows.size(0)
+
+
+@pytest.mark.slow
+def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(tmp_path, tiny_models,
+                                                                                mlflow_store):
+    """Step 1 saves a checkpoint and stops; a second run resumes there and zooms again at step 2. Each step's
+    completion table in MLflow (read back through MlflowClient) draws a zooming completion with its box on
+    the image and the crop beside it."""
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+    from vlmexp.zoom_pictures import ZOOM_COLOURS
+
+    out = mlflow_store(tmp_path / "out")
+    records = write_records(tmp_path / "data", ["zoom", "forever"])
+    steps = []
+    for step in (1, 2):
+        cfg = tool_cfg(out, tiny_models["qwen2_5_vl"], records, f"grpo.args.max_steps={step}",
+                       "grpo.args.save_steps=1", "grpo.args.per_device_train_batch_size=4",
+                       "grpo.args.num_generations=2", "tracking.backend=mlflow",
+                       "tracking.completions_every=1", "tracking.completions_per_table=4")
+        trainer, inputs, rows = build_grpo_trainer(cfg)
+        scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+        train_and_save(trainer, inputs, rows)
+        steps.append((inputs.resume_from, trainer.state.global_step))
+        zoomed = [h["zoom/zoomed_share"] for h in trainer.state.log_history if "zoom/zoomed_share" in h]
+        assert zoomed[-1] == 1.0  # both prompts zoom: the tool is there after the resume too
+    assert steps[0] == (None, 1) and steps[1][0].endswith("checkpoint-1") and steps[1][1] == 2
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    # `vlmexp train` by hand: a run of its own each time (the pipeline passes its run to the resumed stage)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], order_by=["start_time"])
+    assert [[m.step for m in client.get_metric_history(r.info.run_id, "zoom/zooms_per_completion")]
+            for r in runs] == [[1], [2]]
+    run = runs[1]
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/step_000002.json",
+                                                      str(tmp_path / "dl"))).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    zoomed = [r for r in rows if r["zooms"]]
+    assert zoomed and all(r["zooms"][0] == [56, 28, 84, 56] for r in zoomed)
+    picture = Image.open(client.download_artifacts(run.info.run_id, zoomed[0]["image"]["filepath"],
+                                                   str(tmp_path / "dl"))).convert("RGB")
+    scale = 256 / SIDE
+    assert picture.width > 256  # the crops beside the image
+    assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]  # box 1's edge
+    # the first crop, beside the image: the red square fills it
+    assert picture.getpixel((256 + 40, 40))[0] > 200 and picture.getpixel((256 + 40, 40))[1] < 60

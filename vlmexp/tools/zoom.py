@@ -137,6 +137,23 @@ def zoom_counts(completion: Any) -> ZoomCounts:
     return counts
 
 
+def replayed_zooms(completion: Any, width: int, height: int, frame: str, budget,
+                   min_side: int) -> list[list[int]]:
+    """The crops (original pixels, in order) a completion's calls got back, found again from its calls: each
+    call answered by an image, mapped as the tool maps it (`crop_box`)."""
+    if not isinstance(completion, list):
+        return []
+    calls = [c for m in completion if isinstance(m, dict) and m.get("role") == "assistant"
+             for c in m.get("tool_calls") or []]
+    answers = [m for m in completion if isinstance(m, dict) and m.get("role") == "tool"]
+    out = []
+    for call, answer in zip(calls, answers, strict=False):
+        if isinstance(answer.get("content"), list):
+            args = call.get("function", call).get("arguments") or {}
+            out.append(crop_box(args.get("bbox_2d"), width, height, frame, budget, min_side))
+    return out
+
+
 def report_zoom_metrics(log_metric, counts: list[ZoomCounts], max_turns: int | None) -> None:
     """GRPO's zoom metrics through TRL's `log_metric`: zoom/zooms_per_completion and zoom/zoomed_share (means
     over the generation batch); zoom/malformed, zoom/outside, zoom/over_limit (a call past max_turns, not run)

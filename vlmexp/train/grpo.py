@@ -27,7 +27,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     from vlmexp.generation import configure_trainer, resolve
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
-    from vlmexp.tools import environment_factory, reward_specs, tool_settings
+    from vlmexp.tools import environment_factory, reward_specs, tool_settings, zoom_replay
     from vlmexp.train.callbacks import CompileCountLog, CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad
@@ -68,7 +68,8 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     # the table's boxes
     scorers = build_scorers(specs, inputs.family.box_frame, inputs.budget, thinking)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every,
-                                         cfg.tracking.completions_per_table, scorers))
+                                         cfg.tracking.completions_per_table, scorers,
+                                         zoom_replay(cfg.grpo.tools, inputs.family, inputs.budget)))
     return trainer, inputs, len(train_dataset)
 
 
