@@ -186,3 +186,46 @@ def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(
     assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]  # box 1's edge
     # the first crop, beside the image: the red square fills it
     assert picture.getpixel((256 + 40, 40))[0] > 200 and picture.getpixel((256 + 40, 40))[1] < 60
+
+
+@pytest.mark.slow
+def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(tmp_path, tiny_models):
+    """Evaluation with the tool (Generator.converse, the records' own environments): the final answers are
+    scored, zooms per answer and the share that zoomed counted, each record's zoom boxes written and drawn;
+    without the tool the same model answers in one turn."""
+    from PIL import Image
+
+    from vlmexp.data.record import read_sampled
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.evaluate import evaluate_with_tools, tool_modes
+    from vlmexp.generation import Generator
+    from vlmexp.modeling import load_for_inference
+    from vlmexp.prompts import build_prompt, load_images
+    from vlmexp.zoom_pictures import ZOOM_COLOURS
+
+    records_file = write_records(tmp_path / "data", ["zoom", "outside", "forever"])
+    cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records_file, "eval.max_new_tokens=120",
+                   "eval.pictures=3")
+    assert tool_modes(cfg) == ("off", "on")  # eval.tools: auto, with grpo.tools on
+    records = read_sampled(prepare_data(cfg).val)
+    model, processor, family = load_for_inference(cfg, str(tiny_models["qwen2_5_vl"]))
+    scripted(model, processor, family, family.image_budget(processor))
+    generator = Generator.for_config(cfg, model, processor, family)
+    prompts = [build_prompt(r, cfg.data, family) for r in records]
+    plain = generator(prompts, [load_images(r.images) for r in records], 120, 0.0, 8)
+    assert all("<tool_call>" in text for text in plain)  # without the tool: the call is the answer
+
+    metrics = evaluate_with_tools(cfg, records, prompts, generator, tmp_path / "eval")
+
+    # zoom: one zoom, right; outside: refused, then right; forever: two zooms, then a call not run
+    assert metrics["tool_exact_accuracy"] == pytest.approx(2 / 3)
+    assert metrics["tool_zooms_per_answer"] == pytest.approx(3 / 3)
+    assert metrics["tool_zoomed_share"] == pytest.approx(2 / 3)
+    assert (metrics["tool_zoom_outside"], metrics["tool_zoom_unanswered"]) == (1, 1)
+    rows = {r["problem"].split("[script:")[1][:-1]: r
+            for r in map(json.loads, (tmp_path / "eval" / "samples_tool.jsonl").read_text().splitlines())}
+    assert rows["zoom"]["zooms"] == [list(TARGET)] and rows["zoom"]["answer"] == "red"
+    assert rows["forever"]["zooms"] == [list(TARGET)] * 2 and rows["outside"]["zooms"] == []
+    picture = Image.open(tmp_path / "eval" / "pictures_tool" / "record_000.png").convert("RGB")
+    scale = 256 / SIDE
+    assert picture.width > 256 and picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]
