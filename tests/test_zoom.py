@@ -228,4 +228,5 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     assert rows["forever"]["zooms"] == [list(TARGET)] * 2 and rows["outside"]["zooms"] == []
     picture = Image.open(tmp_path / "eval" / "pictures_tool" / "record_000.png").convert("RGB")
     scale = 256 / SIDE
-    assert picture.width > 256 and picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]
+    assert picture.width > 256
+    assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]
