@@ -45,7 +45,8 @@ def test_the_environment_returns_the_crop_and_keeps_its_box():
     assert env.crops == []
 
 
-CALL = {"type": "function", "function": {"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2, 3, 4]}}}
+CALL = {"type": "function",
+        "function": {"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2, 3, 4]}}}
 IMAGE = [{"type": "image", "image": None}]
 
 
@@ -59,13 +60,15 @@ def test_zoom_counts_and_the_tool_reward_read_the_conversation():
     from vlmexp.rewards_loader import build_reward
 
     zoomed = conversation("call", IMAGE, "<answer>red</answer>")
-    refused = conversation("call", "{'error': 'outside: the box lies outside the image'}", "<answer>red</answer>")
+    refused = conversation("call", "{'error': 'outside: the box lies outside the image'}",
+                           "<answer>red</answer>")
     looping = conversation("call", IMAGE, "call", IMAGE, "call")
     garbled = conversation("<tool_call>{oops</tool_call>")
     wrong = conversation("call", IMAGE, "<answer>blue</answer>")
     counts = [zoom_counts(c) for c in (zoomed, refused, looping, garbled, wrong)]
     assert [(c.zooms, c.problems, c.unanswered, c.malformed) for c in counts] == [
-        (1, {}, False, 0), (0, {"outside": 1}, False, 0), (2, {}, True, 0), (0, {}, False, 1), (1, {}, False, 0)]
+        (1, {}, False, 0), (0, {"outside": 1}, False, 0), (2, {}, True, 0), (0, {}, False, 1),
+        (1, {}, False, 0)]
     logged = {}
     reward = build_reward("tool", {"max_turns": 2}, "grid1000", None)
     scores = reward(completions=[zoomed, refused, looping, garbled, wrong], solution=["red"] * 5,
@@ -80,8 +83,11 @@ def test_zoom_counts_and_the_tool_reward_read_the_conversation():
 
 
 def test_qwen2_5_vl_tool_template_renders_tools_calls_and_tool_images(tiny_models):
-    from trl.chat_template_utils import (get_training_chat_template, is_chat_template_prefix_preserving,
-                                         supports_tool_calling)
+    from trl.chat_template_utils import (
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        supports_tool_calling,
+    )
 
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
