@@ -189,9 +189,11 @@ def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(
 
 
 @pytest.mark.slow
-def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(tmp_path, tiny_models):
+def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(tmp_path, tiny_models,
+                                                                               mlflow_store):
     """Evaluation with the tool (Generator.converse, the records' own environments): the final answers are
-    scored, zooms per answer and the share that zoomed counted, each record's zoom boxes written and drawn;
+    scored, zooms per answer and the share that zoomed counted, each record's zoom boxes written and drawn,
+    and the pipeline's evaluation run carries the tables and pictures (read back through MlflowClient);
     without the tool the same model answers in one turn."""
     from PIL import Image
 
@@ -230,3 +232,27 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     scale = 256 / SIDE
     assert picture.width > 256
     assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]
+
+    # the pipeline's evaluation run: the tool's samples table and the zoom pictures
+    from mlflow.tracking import MlflowClient
+
+    from vlmexp.pipeline.report import log_evaluation_run
+    from vlmexp.results import Evaluation
+    from vlmexp.tracking.tracker import make_tracker
+
+    write_jsonl(tmp_path / "eval" / "samples.jsonl", [])
+    evaluation = Evaluation(name="grpo", model="m", metrics=metrics, samples=str(tmp_path / "eval" /
+                            "samples.jsonl"), key="k", seconds=1.0)
+    tracker = make_tracker(tool_cfg(mlflow_store(tmp_path / "run"), tiny_models["qwen2_5_vl"], records_file,
+                                    "tracking.backend=mlflow"))
+    parent = tracker.start_pipeline("zoom-pipeline", {}, {})
+    log_evaluation_run(tracker, parent, [evaluation], [], None, None, 0, None)
+    client = MlflowClient(tracker.uri)
+    [run] = [r for r in client.search_runs([tracker.experiment_id]) if r.info.run_name == "eval"]
+    assert run.data.metrics["grpo/tool_zoomed_share"] == pytest.approx(2 / 3)
+    logged = Image.open(client.download_artifacts(run.info.run_id, "evaluation/grpo_zoom/record_000.png",
+                                                  str(tmp_path / "dl"))).convert("RGB")
+    assert logged.tobytes() == picture.tobytes()
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "evaluation/grpo_samples_tool.json",
+                                                      str(tmp_path / "dl"))).read_text())
+    assert "zooms" in table["columns"] and len(table["data"]) == 3
