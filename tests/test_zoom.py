@@ -144,7 +144,7 @@ def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(
                                                                                 mlflow_store):
     """Step 1 saves a checkpoint and stops; a second run resumes there and zooms again at step 2. Each step's
     completion table in MLflow (read back through MlflowClient) draws a zooming completion with its box on
-    the image and the crop beside it."""
+    the image and the crop beside it; validation during training runs with the tool and logs its pictures."""
     from mlflow.tracking import MlflowClient
     from PIL import Image
 
@@ -159,7 +159,9 @@ def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(
         cfg = tool_cfg(out, tiny_models["qwen2_5_vl"], records, f"grpo.args.max_steps={step}",
                        "grpo.args.save_steps=1", "grpo.args.per_device_train_batch_size=4",
                        "grpo.args.num_generations=2", "tracking.backend=mlflow",
-                       "tracking.completions_every=1", "tracking.completions_per_table=4")
+                       "tracking.completions_every=1", "tracking.completions_per_table=4",
+                       "eval.every_steps=1", "eval.during_training_samples=2", "eval.max_new_tokens=120",
+                       "eval.during_training_pictures=1")
         trainer, inputs, rows = build_grpo_trainer(cfg)
         scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
         train_and_save(trainer, inputs, rows)
@@ -174,6 +176,12 @@ def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(
     assert [[m.step for m in client.get_metric_history(r.info.run_id, "zoom/zooms_per_completion")]
             for r in runs] == [[1], [2]]
     run = runs[1]
+    # validation during training, with the tool: scored on the final answers, drawn with the zooms
+    # (the held-out records: zoom, then right; forever, no answer)
+    assert run.data.metrics["val/tool_exact_accuracy"] == 0.5 and run.data.metrics["val/exact_accuracy"] == 0
+    assert run.data.metrics["val/tool_zoomed_share"] == 1.0
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "images")
+            if a.path.startswith("images/validation~zoom_00+step+2+")]
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/step_000002.json",
                                                       str(tmp_path / "dl"))).read_text())
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
