@@ -232,6 +232,7 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     assert metrics["tool_zooms_per_answer"] == pytest.approx(3 / 3)
     assert metrics["tool_zoomed_share"] == pytest.approx(2 / 3)
     assert (metrics["tool_zoom_outside"], metrics["tool_zoom_unanswered"]) == (1, 1)
+    assert metrics["tool_reward_tool"] == pytest.approx(1 / 3)  # zoomed and right: the "zoom" record
     rows = {r["problem"].split("[script:")[1][:-1]: r
             for r in map(json.loads, (tmp_path / "eval" / "samples_tool.jsonl").read_text().splitlines())}
     assert rows["zoom"]["zooms"] == [list(TARGET)] and rows["zoom"]["answer"] == "red"

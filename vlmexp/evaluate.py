@@ -279,8 +279,8 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
         completions = generator(prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
                                 cfg.eval.temperature, cfg.eval.batch_size)
         metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
-                                      cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader,
-                                      prompts)
+                                      without_tool_reward(cfg.grpo.rewards), prefills_think(processor),
+                                      cfg.eval.math_grader, prompts)
         for row, prompt in zip(rows, prompts, strict=True):
             row["prompt"] = prompt[-1]["content"]
     if "on" in tool_modes(cfg):
@@ -296,6 +296,13 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     return EvalResult(metrics, out / "metrics.json", out / "samples.jsonl")
 
 
+def without_tool_reward(rewards: Sequence[Any]) -> list[Any]:
+    """The configured rewards evaluation scores answers with: the tool reward reads a conversation's zooms,
+    which a single answer has none of (evaluation with the tool scores it on the conversations,
+    `reward_tool`)."""
+    return [r for r in rewards if r.name != "tool"]
+
+
 def tool_modes(cfg: Config) -> tuple[str, ...]:
     """How evaluation runs (eval.tools): ("off",) without the tools, ("on",) with them, or both."""
     mode = cfg.eval.tools if cfg.eval.tools != "auto" else ("both" if cfg.grpo.tools.names else "off")
@@ -309,10 +316,12 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     tool_zooms_per_answer, tool_zoomed_share and per-problem counts of the calls (tool_zoom_malformed, ...).
     Writes samples_tool.jsonl (each record's final answer, its zoom boxes in original pixels, its
     conversation's turns) and the first eval.pictures records drawn with their zooms (pictures_tool/)."""
+    from vlmexp.data.record import columns_of
     from vlmexp.files import atomic_write
     from vlmexp.processor import prefills_think
     from vlmexp.prompts import load_images
     from vlmexp.rewards import completion_text
+    from vlmexp.rewards_loader import build_reward
     from vlmexp.tools import environment_factory
     from vlmexp.tools.zoom import zoom_counts
     from vlmexp.zoom_pictures import write_zoom_pictures
@@ -328,8 +337,12 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     conversations = generator.converse(prompts, images, environments, cfg.grpo.tools.max_turns,
                                        cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.batch_size)
     metrics, rows = score_records(records, [completion_text(c) for c in conversations], family.box_frame,
-                                  budget, cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader,
-                                  prompts)
+                                  budget, without_tool_reward(cfg.grpo.rewards), prefills_think(processor),
+                                  cfg.eval.math_grader, prompts)
+    configured = next((dict(r.kwargs) for r in cfg.grpo.rewards if r.name == "tool"), {})
+    tool_reward = build_reward("tool", configured, family.box_frame, budget)  # on the conversations
+    scores = tool_reward(completions=conversations, **columns_of(records))
+    metrics["reward_tool"] = sum(s or 0.0 for s in scores) / max(1, len(scores))
     counts = [zoom_counts(c) for c in conversations]
     n = max(1, len(counts))
     metrics.update(zooms_per_answer=sum(c.zooms for c in counts) / n,
