@@ -119,14 +119,8 @@ def check_tools(cfg: Config) -> list[Found]:
                     "grpo.tools.names (e.g. [zoom]), or eval.tools: off"))
     family = FAMILIES.get(cfg.model.family or "")
     if names and family is not None and family.tools_refusal:
-        out.append((("grpo", "tools", "names"), names, tools_refusal(family)))
+        out.append((("grpo", "tools", "names"), names, family.tools_problem()))
     return out
-
-
-def tools_refusal(family) -> str:
-    """Why grpo.tools cannot run on `family`, with the fix."""
-    return (f"{family.name} cannot call tools in GRPO's rollouts: {family.tools_refusal}; use a Qwen-VL "
-            "model (qwen2_5_vl, qwen3_vl) for tool use, or grpo.tools.names: []")
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:

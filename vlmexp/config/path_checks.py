@@ -219,9 +219,7 @@ def _check_budget_knobs(cfg: Config) -> list[Found]:
     except ValueError as e:
         return [(("model",), cfg.model.path, str(e))]
     if cfg.grpo.tools.names and family.tools_refusal and cfg.model.family is None:
-        from vlmexp.config.checks import tools_refusal
-
-        return [(("grpo", "tools", "names"), cfg.grpo.tools.names, tools_refusal(family))]
+        return [(("grpo", "tools", "names"), cfg.grpo.tools.names, family.tools_problem())]
     return []
 
 
