@@ -242,6 +242,15 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     assert picture.width > 256
     assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]
 
+    # `vlmexp eval` / the pipeline's evaluation step (here the random model, no script): both modes' metrics
+    from vlmexp.evaluate import evaluate
+
+    short = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records_file, "eval.max_new_tokens=16")
+    result = evaluate(short, str(tiny_models["qwen2_5_vl"]), prepare_data(cfg).val, tmp_path / "eval_random")
+    assert {"exact_accuracy", "tool_exact_accuracy", "tool_zooms_per_answer", "tool_zoomed_share",
+            "tool_reward_tool"} <= set(result.metrics)
+    assert len((tmp_path / "eval_random" / "samples_tool.jsonl").read_text().splitlines()) == 3
+
     # the pipeline's evaluation run: the tool's samples table and the zoom pictures
     from mlflow.tracking import MlflowClient
 
