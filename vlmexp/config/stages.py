@@ -70,7 +70,7 @@ class SFTStageConfig(StageConfig):
 
 class RewardSpec(Section):
     name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, "
-                      "math, exact, detection, judge, reward_model) or module:function. The loader checks "
+                      "math, exact, detection, tool, judge, reward_model) or module:function. The loader checks "
                       "the name; its `import_rewards` switch (on in `vlmexp validate`, `run` and `train`) "
                       "also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
