@@ -64,7 +64,7 @@ def crop_box(bbox: Any, width: int, height: int, frame: str, budget, min_side: i
 
 @dataclass
 class ZoomEnvironment:
-    """One rollout's zoom tool (TRL calls every public method but reset a tool; keep helpers private)."""
+    """One rollout's zoom tool (TRL offers every public method but reset as a tool: others stay private)."""
 
     frame: str  # the family's box frame: "pixels" (of the resized image) or "grid1000"
     budget: Any  # the processor's image budget (the "pixels" frame needs it)
