@@ -69,10 +69,10 @@ class SFTStageConfig(StageConfig):
 
 
 class RewardSpec(Section):
-    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, giou, "
-                      "math, exact, detection, tool, judge, reward_model) or module:function. The loader checks "
-                      "the name; its `import_rewards` switch (on in `vlmexp validate`, `run` and `train`) "
-                      "also imports a module:function's module, in a child process.")
+    name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, "
+                      "giou, math, exact, detection, tool, judge, reward_model) or module:function. The "
+                      "loader checks the name; its `import_rewards` switch (on in `vlmexp validate`, `run` "
+                      "and `train`) also imports a module:function's module, in a child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built "
                                                                      "with (e.g. iou_threshold's threshold; "
