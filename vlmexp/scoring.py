@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vlmexp.config.schema import Config
     from vlmexp.data.record import SampledRecord
 
 # the rewards the metrics come from: format_rate, rec_*, *_accuracy, detection_*
@@ -179,3 +180,16 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str],
         for j, score in enumerate(reward(prompts=[prompt] * n, completions=completions, **columns)):
             totals[j] += weight * (score or 0.0)
     return totals
+
+
+def without_tool_reward(rewards: Sequence[Any]) -> list[Any]:
+    """The configured rewards evaluation scores answers with: the tool reward reads a conversation's zooms,
+    which a single answer has none of (evaluation with the tool scores it on the conversations,
+    `reward_tool`)."""
+    return [r for r in rewards if r.name != "tool"]
+
+
+def tool_modes(cfg: Config) -> tuple[str, ...]:
+    """How evaluation runs (eval.tools): ("off",) without the tools, ("on",) with them, or both."""
+    mode = cfg.eval.tools if cfg.eval.tools != "auto" else ("both" if cfg.grpo.tools.names else "off")
+    return {"off": ("off",), "on": ("on",), "both": ("off", "on")}[mode]

@@ -39,8 +39,25 @@ def log_evaluation_run(tracker: Tracker, parent_run_id: str, evaluations: list,
             tracker.log_artifact(run_id, path, "evaluation/pictures")
         if files:
             tracker.log_artifact(parent_run_id, files[-1], "evaluation")
+    log_tool_evaluations(tracker, run_id, evaluations)
     tracker.log_evaluated_models(run_id, {e.model: e.metrics for e in evaluations}, dataset, headline)
     tracker.end(run_id)
+
+
+def log_tool_evaluations(tracker: Tracker, run_id: str, evaluations: list) -> None:
+    """Each model's evaluation with the tool (eval.tools; vlmexp.evaluate.evaluate_with_tools), where it ran:
+    its per-sample table (final answer, zoom boxes, turns) as evaluation/<model>_samples_tool.json and its
+    zoom pictures (the image with the zoom boxes in order, the crops beside it, the answer and its score)
+    under evaluation/<model>_zoom/."""
+    for e in evaluations:
+        folder = Path(e.samples).parent
+        if not (folder / "samples_tool.jsonl").is_file():
+            continue
+        rows = [json.loads(line) for line in (folder / "samples_tool.jsonl").read_text().splitlines()]
+        tracker.log_table(run_id, [{"model": e.name, **row} for row in rows],
+                          f"evaluation/{e.name}_samples_tool.json")
+        for path in sorted((folder / "pictures_tool").glob("*.png")):
+            tracker.log_artifact(run_id, path, f"evaluation/{e.name}_zoom")
 
 
 def log_headline(tracker: Tracker, run, metric: str) -> dict[str, float]:

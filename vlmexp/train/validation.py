@@ -126,6 +126,11 @@ class Validation(TrainerCallback):
         self.metric, self.maximize = tracked_metric(cfg), cfg.export.direction == "maximize"
         self.compile_count = CompileCount()  # every validation's generation compilations, in one count
         self.first: list[str] = []  # each record's first completion at the last validation
+        # GRPO with grpo.tools (eval.tools auto, on or both): validate with the tool too
+        from vlmexp.scoring import tool_modes
+
+        self.tools = stage == "grpo" and "on" in tool_modes(cfg)
+        self.zoomed: list[tuple[dict[str, Any], list]] = []  # (scored row, zoom boxes) per record, last time
 
     def due(self, state) -> bool:
         return state.global_step % self.cfg.eval.every_steps == 0 or state.global_step == state.max_steps
@@ -138,6 +143,8 @@ class Validation(TrainerCallback):
             # each picture as the image `validation/record_<i>` (the run page's image slider steps through)
             for i, picture in enumerate(self.pictures()):
                 self.run.log_image(picture, key=f"validation/record_{i:02d}", step=state.global_step)
+            for i, picture in enumerate(self.zoom_pictures()):  # with the tool: each record's zooms
+                self.run.log_image(picture, key=f"validation/zoom_{i:02d}", step=state.global_step)
         logs = share(logs)
         value = logs.get(self.metric)
         if value is not None and self.better(value, state.best_metric):
@@ -175,17 +182,50 @@ class Validation(TrainerCallback):
                 flat = generator([p for p in held.prompts for _ in range(n)],
                                  [im for im in held.images for _ in range(n)], ev.max_new_tokens,
                                  ev.during_training_temperature, ev.batch_size)
+                tool_logs = self.validate_tools(generator) if self.tools else {}
         finally:
             tokenizer.padding_side = side
             model.train(was_training)
         self.first = flat[::n]
         logs = validation_metrics([flat[i * n:(i + 1) * n] for i in range(len(held.records))], held.score)
+        logs.update(tool_logs)
         logs[f"{PREFIX}seconds"] = time.perf_counter() - start
         if generator.settings.compile:
             logs.update({f"{PREFIX}{k}": v for k, v in generator.count.metrics().items()})
         log.info("step %d: validation on %d held-out records x %d: %s (%.1f s)", step, len(held.records), n,
                  {k: round(v, 4) for k, v in logs.items()}, logs[f"{PREFIX}seconds"])
         return logs
+
+    def validate_tools(self, generator) -> dict[str, float]:
+        """val/tool_<metric>, val/tool_zooms_per_answer, val/tool_zoomed_share: one conversation per held-out
+        record with grpo.tools' tools (each record's own environment), scored as evaluation with the tool
+        scores (`vlmexp.evaluate.evaluate_with_tools`); each record's row and zoom boxes kept for the
+        pictures."""
+        from vlmexp.rewards import completion_text
+        from vlmexp.tools import environment_factory
+        from vlmexp.tools.zoom import zoom_counts
+
+        held, ev, tools = self.held_out, self.cfg.eval, self.cfg.grpo.tools
+        make = environment_factory(tools, held.family, held.family.image_budget(generator.processor))
+        environments = [make() for _ in held.records]
+        for environment, images in zip(environments, held.images, strict=True):
+            environment.reset(images=images)
+        conversations = generator.converse(held.prompts, held.images, environments, tools.max_turns,
+                                           ev.max_new_tokens, ev.during_training_temperature, ev.batch_size)
+        metrics, rows = held.score([completion_text(c) for c in conversations])
+        counts = [zoom_counts(c) for c in conversations]
+        metrics.update(zooms_per_answer=sum(c.zooms for c in counts) / max(1, len(counts)),
+                       zoomed_share=sum(c.zooms > 0 for c in counts) / max(1, len(counts)))
+        self.zoomed = [(row, list(e.crops)) for row, e in zip(rows, environments, strict=True)]
+        return {f"{PREFIX}tool_{k}": v for k, v in metrics.items() if k != "count"}
+
+    def zoom_pictures(self) -> list:
+        """The first eval.during_training_pictures held-out records as the last validation with the tool
+        answered them: the image with the zoom boxes in order, the crops, the answer and its score."""
+        from vlmexp.zoom_pictures import zoom_picture
+
+        return [zoom_picture(row["image"], boxes, row.get("answer") or "", row.get("score"))
+                for row, boxes in self.zoomed[: self.cfg.eval.during_training_pictures] if row["image"]]
 
     def pictures(self) -> list:
         """The first eval.during_training_pictures held-out records with the current model's box (its first
