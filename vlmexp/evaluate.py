@@ -273,8 +273,9 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     model, processor, family = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
     generator = Generator.for_config(cfg, model, processor, family)
-    completions = generator(prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
-                            cfg.eval.temperature, cfg.eval.batch_size)
+    images = [load_images(r.question_images) for r in records]
+    completions = generator(prompts, images, cfg.eval.max_new_tokens, cfg.eval.temperature,
+                            cfg.eval.batch_size)
     metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
                                   cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader, prompts)
     for row, prompt in zip(rows, prompts, strict=True):
