@@ -104,7 +104,29 @@ def check_sections(cfg: Config) -> list[Found]:
                 out.append(((stage, "args", "save_strategy"), "no", "export.checkpoint: best keeps the best "
                             "validation's checkpoint, and save_strategy 'no' keeps none: remove it, or "
                             "export.checkpoint: last"))
+    return out + check_tools(cfg)
+
+
+def check_tools(cfg: Config) -> list[Found]:
+    """GRPO's tools against the model family (when the config names it; a local checkpoint's family is
+    checked by `vlmexp.config.path_checks`) and evaluation with the tool against the tools offered."""
+    from vlmexp.families import FAMILIES
+
+    out: list[Found] = []
+    names = cfg.grpo.tools.names
+    if cfg.eval.tools in ("on", "both") and not names:
+        out.append((("eval", "tools"), cfg.eval.tools, "evaluation with the tool needs a tool: set "
+                    "grpo.tools.names (e.g. [zoom]), or eval.tools: off"))
+    family = FAMILIES.get(cfg.model.family or "")
+    if names and family is not None and family.tools_refusal:
+        out.append((("grpo", "tools", "names"), names, tools_refusal(family)))
     return out
+
+
+def tools_refusal(family) -> str:
+    """Why grpo.tools cannot run on `family`, with the fix."""
+    return (f"{family.name} cannot call tools in GRPO's rollouts: {family.tools_refusal}; use a Qwen-VL "
+            "model (qwen2_5_vl, qwen3_vl) for tool use, or grpo.tools.names: []")
 
 
 def check_reward_imports(cfg: Config) -> list[Found]:

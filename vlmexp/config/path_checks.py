@@ -214,9 +214,14 @@ def _check_budget_knobs(cfg: Config) -> list[Found]:
     if (Path(cfg.model.path).expanduser() / "adapter_config.json").is_file():
         return []  # an adapter's base is checked when its processor loads (vlmexp.processor.load_processor)
     try:
-        detect_family(Path(cfg.model.path).expanduser()).check_budget_knobs(cfg.model.image_knobs)
+        family = detect_family(Path(cfg.model.path).expanduser())
+        family.check_budget_knobs(cfg.model.image_knobs)
     except ValueError as e:
         return [(("model",), cfg.model.path, str(e))]
+    if cfg.grpo.tools.names and family.tools_refusal and cfg.model.family is None:
+        from vlmexp.config.checks import tools_refusal
+
+        return [(("grpo", "tools", "names"), cfg.grpo.tools.names, tools_refusal(family))]
     return []
 
 

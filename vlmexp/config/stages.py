@@ -111,6 +111,35 @@ class DifficultyFilterConfig(Section):
         return self
 
 
+TOOL_NAMES = ("zoom",)  # the tools GRPO's rollouts may offer (vlmexp.tools)
+
+
+class ToolsConfig(Section):
+    """Tools the model may call during GRPO's rollouts ("thinking with images"), given to TRL's GRPOTrainer
+    through its `environment_factory`: one environment per rollout holds the record's image. `zoom` offers
+    `image_zoom_in_tool(bbox_2d, label)`: the model names a box in its family's box frame (Qwen2.5-VL:
+    pixels of the resized image; Qwen2-VL, Qwen3-VL: the 0-1000 grid), and the crop of the original image
+    comes back as an image in a tool turn, which the model sees in its next turn and the loss forward
+    receives (tool tokens masked out of the loss). Evaluation runs with and without the tool (eval.tools)."""
+
+    names: list[Literal["zoom"]] = Field(
+        default_factory=list, description="The tools offered: [] (the default: single-turn GRPO) or [zoom].")
+    max_turns: PositiveInt = Field(
+        3, description="Tool calls a completion may make (TRL's max_tool_calling_iterations): the turn after "
+        "the last allowed call is generated, and a call in it is not run but counted (zoom/over_limit).")
+    min_crop_side: PositiveInt = Field(
+        28, description="A zoom box narrower or shorter than this many pixels of the original image grows "
+        "around its centre to this side (DeepEyes: 28), inside the image; the crop then goes through the "
+        "processor's own image budget (model.min_pixels / max_pixels) as any image does.")
+
+    @field_validator("names")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names {v} lists a tool twice; list each once")
+        return v
+
+
 class GRPOStageConfig(StageConfig):
     """GRPO with trl.GRPOTrainer; `args` are trl.GRPOConfig fields."""
 
@@ -123,6 +152,8 @@ class GRPOStageConfig(StageConfig):
     difficulty_filter: DifficultyFilterConfig = Field(
         default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards "
         "carry no signal before GRPO trains (dynamic sampling, offline); off by default.")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools the model may call in its "
+                               "rollouts (multi-turn GRPO, e.g. zoom); none by default.")
 
     @model_validator(mode="after")
     def _adapter_mode(self) -> GRPOStageConfig:
@@ -133,6 +164,17 @@ class GRPOStageConfig(StageConfig):
         if self.difficulty_filter.reward not in ("overall", *names):
             raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor "
                              f"one of grpo.rewards {names}; name one of them")
+        if "tool" in names and not self.tools.names:
+            raise ValueError("the tool reward scores completions that called a tool, and grpo.tools.names "
+                             "offers none: add tools (e.g. grpo.tools.names: [zoom]) or remove the tool "
+                             "reward")
+        if self.tools.names and self.difficulty_filter.enabled:
+            raise ValueError("difficulty_filter samples single-turn completions, without the tools that "
+                             "grpo.tools offers: set difficulty_filter.enabled: false, or "
+                             "grpo.tools.names: []")
+        if self.tools.names and "max_tool_calling_iterations" in self.args:
+            raise ValueError("grpo.args.max_tool_calling_iterations is set from grpo.tools.max_turns: "
+                             "remove it from grpo.args and set grpo.tools.max_turns")
         return self
 
 
@@ -203,6 +245,11 @@ class EvalConfig(Section):
         "truth and each evaluated model's boxes (PNG, at most 512 px a side): "
         "<output_dir>/eval/<model>/pictures/, and in the pipeline's MLflow evaluation run "
         "evaluation/pictures/ (every model on one picture, and a grid). 0: none.")
+    tools: Literal["auto", "on", "off", "both"] = Field(
+        "auto", description="Evaluate with the tools grpo.tools offers (on: the model may call them, at most "
+        "grpo.tools.max_turns times a record), without them (off), or both (metrics with the tool prefixed "
+        "tool_: tool_exact_accuracy, tool_zooms_per_answer, tool_zoomed_share). auto: both when grpo.tools "
+        "names a tool, else off.")
     during_training_pictures: int = Field(4, ge=0, le=64, description="At each validation during training "
         "(eval.every_steps), log the first N held-out records with the current model's box as MLflow images "
         "(validation/record_<i>, one per step: the image slider shows the box move). At most "

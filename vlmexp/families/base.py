@@ -39,6 +39,17 @@ class Family:
         """The family's original chat template (the embedded model ships it)."""
         raise NotImplementedError
 
+    # ---- tools in GRPO's rollouts (grpo.tools; vlmexp.tools) ----------------------------------------------
+    # why this family's models cannot call tools in GRPO's rollouts ("" where they can): `vlmexp validate`
+    # refuses grpo.tools for it with this reason
+    tools_refusal: ClassVar[str] = ""
+
+    def use_tools(self, processor) -> None:
+        """Give the loaded processor what TRL's GRPOTrainer needs to run tools: a chat template that renders
+        the tools, the assistant's calls and tool turns holding images, and a response parser
+        (`response_template`) that reads the calls back out of a completion."""
+        raise NotImplementedError
+
     # ---- processor and image budget ------------------------------------------------------------------------
     def images_only_processor(self) -> type:
         """The family's processor class without a video processor (which needs torchvision), saving itself

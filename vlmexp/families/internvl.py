@@ -81,6 +81,11 @@ class InternVLFamily(Family):
         *QWEN_SPECIAL_TOKENS, "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>",
         "<box>", "</box>")  # fmt: skip  # the InternVL3 -hf tokenizer: Qwen2.5-VL's plus these nine
     extra_tokens: ClassVar[tuple[str, ...]] = ("<tool_call>", "</tool_call>")
+    tools_refusal: ClassVar[str] = (
+        "TRL 1.16's GRPOTrainer gives an image a tool returns to the model through the image processor alone "
+        "and builds the image-token positions from the Qwen-VL placeholder; InternVL's tool-turn image would "
+        "need its <IMG_CONTEXT> tokens expanded per tile, which TRL does not do yet "
+        "(huggingface/trl#6906, open)")
     named_tokens: ClassVar[dict[str, str]] = {"start_image_token": "<img>", "end_image_token": "</img>",
                                               "context_image_token": "<IMG_CONTEXT>",
                                               "video_token": "<video>"}

@@ -65,6 +65,25 @@ class QwenVLFamily(Family):
     def images_only_processor(self) -> type:
         return _images_only_class(self.processor_class)
 
+    # beside this module: Qwen2(.5)-VL's template with tools (their released one renders none); None: the
+    # checkpoint's own template renders them (Qwen3-VL's)
+    tools_template_file: str | None = "qwen2_5_vl_tools.jinja"
+
+    def use_tools(self, processor) -> None:
+        """Qwen2(.5)-VL: our template with tools in place of the checkpoint's; every Qwen-VL: TRL's parser of
+        Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` calls (the form Qwen2.5 and Qwen3
+        write, and DeepEyes trains Qwen2.5-VL on), set on the tokenizer, where `parse_response` reads it. TRL
+        sets that parser itself only for templates it knows byte for byte."""
+        from importlib.resources import files
+
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer = processor.tokenizer
+        if self.tools_template_file is not None:
+            template = (files("vlmexp.families") / self.tools_template_file).read_text()
+            processor.chat_template = tokenizer.chat_template = template
+        tokenizer.response_template = qwen3_template
+
     def set_image_budget(self, processor, knobs: dict[str, int]) -> None:
         """Override the image processor's min/max pixels (the `size` dict transformers 5 reads)."""
         ip = processor.image_processor
@@ -223,7 +242,7 @@ QWEN_FAMILIES = (
     QwenVLFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "pixels",
                  **_VISION),
     QwenVLFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "grid1000", **_VISION,
-                 chat_template_file="qwen3_vl.jinja", patch_size=16,
+                 chat_template_file="qwen3_vl.jinja", patch_size=16, tools_template_file=None,
                  tool_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
                               "</think>")),
 )
