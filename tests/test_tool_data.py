@@ -18,8 +18,9 @@ from vlmexp.data.sampling import sample_sources
 from vlmexp.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
-CALL = ('<think>It is small.</think>\n<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": '
-        '[8.0, 8.0, 40.0, 40.0]}}</tool_call>')
+ARGUMENTS = {"bbox_2d": [8.0, 8.0, 40.0, 40.0]}
+CALL = ('<think>It is small.</think>\n<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": '
+        '[8.0, 8.0, 40.0, 40.0]}}\n</tool_call>')
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,7 @@ def test_sft_on_tool_use_trains_the_calls_and_answer_and_feeds_the_crops(layouts
     from safetensors.torch import load_file
     from transformers import TrainerCallback
     from trl.chat_template_utils import get_training_chat_template
+    from trl.data_utils import prepare_multimodal_messages
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     from vlmexp.config.loader import load_config
@@ -171,8 +173,15 @@ def test_sft_on_tool_use_trains_the_calls_and_answer_and_feeds_the_crops(layouts
     batch = collator([dict(row)])
     labelled = processor.tokenizer.decode(batch["input_ids"][0][batch["labels"][0] != -100])
     assert labelled == f"{CALL}<|im_end|>\n<answer>red</answer><|im_end|>\n"
-    text = processor.tokenizer.decode(batch["input_ids"][0])
-    assert "<|im_start|>tool\n<|vision_start|><|image_pad|>" in text and len(batch["image_grid_thw"]) == 2
+    assert len(batch["image_grid_thw"]) == 2
+    # rendered as GRPO's rollouts render the same turns (the family's template with tools, TRL's tool_calls)
+    structured = [*row["messages"][:1], {"role": "assistant", "content": "<think>It is small.</think>",
+                                         "tool_calls": [{"type": "function", "function": {
+                                             "name": "image_zoom_in_tool", "arguments": ARGUMENTS}}]},
+                  *row["messages"][2:]]
+    text, grpo_text = (processor.apply_chat_template(prepare_multimodal_messages(m, row["images"]),
+                                                     tokenize=False) for m in (row["messages"], structured))
+    assert text == grpo_text and "<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|>" in text
 
     from vlmexp.modeling import load_for_inference
 

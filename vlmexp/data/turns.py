@@ -115,11 +115,13 @@ def read_turn(message: Any, what: str, tags: Tags = Tags()) -> Turn:
 
 
 def render_tool_call(call: dict[str, Any]) -> str:
-    """A tool call as the model writes it (Qwen's `<tool_call>` convention, which vlmexp's tool parsing
-    reads): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the JSON on one line."""
+    """A tool call as the model writes it: Qwen's
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, byte for byte as the chat template with
+    tools renders an assistant's `tool_calls` (vlmexp/families/qwen2_5_vl_tools.jinja, Qwen3-VL's own) and
+    TRL's Qwen response parser reads them back, so SFT teaches the form GRPO's rollouts parse."""
     import json
 
-    return f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call>"
+    return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': call['arguments']})}\n</tool_call>"
 
 
 def _call_of(value: Any, what: str) -> dict[str, Any]:
