@@ -273,16 +273,21 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     model, processor, family = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
     generator = Generator.for_config(cfg, model, processor, family)
-    images = [load_images(r.question_images) for r in records]
-    completions = generator(prompts, images, cfg.eval.max_new_tokens, cfg.eval.temperature,
-                            cfg.eval.batch_size)
-    metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
-                                  cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader, prompts)
-    for row, prompt in zip(rows, prompts, strict=True):
-        row["prompt"] = prompt[-1]["content"]
+    out = Path(out_dir)
+    metrics, rows = {}, []
+    if tool_modes(cfg) != ("on",):
+        images = [load_images(r.question_images) for r in records]
+        completions = generator(prompts, images, cfg.eval.max_new_tokens, cfg.eval.temperature,
+                                cfg.eval.batch_size)
+        metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
+                                      cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader,
+                                      prompts)
+        for row, prompt in zip(rows, prompts, strict=True):
+            row["prompt"] = prompt[-1]["content"]
+    if "on" in tool_modes(cfg):
+        metrics.update(evaluate_with_tools(cfg, records, prompts, generator, out))
     if generator.settings.compile:  # logged with the evaluation's metrics (eval run: <model>/generation/...)
         metrics.update(generator.count.metrics())
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     atomic_write(out / "metrics.json", json.dumps({"model": model_path, **metrics}, indent=2) + "\n")
@@ -290,3 +295,55 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
                               f"{out.name}: {model_path}")
     log.info("evaluated %s on %d records: %s", model_path, len(rows), metrics)
     return EvalResult(metrics, out / "metrics.json", out / "samples.jsonl")
+
+
+def tool_modes(cfg: Config) -> tuple[str, ...]:
+    """How evaluation runs (eval.tools): ("off",) without the tools, ("on",) with them, or both."""
+    mode = cfg.eval.tools if cfg.eval.tools != "auto" else ("both" if cfg.grpo.tools.names else "off")
+    return {"off": ("off",), "on": ("on",), "both": ("off", "on")}[mode]
+
+
+def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: list, generator,
+                        out: Path) -> dict[str, float]:
+    """`tool_<metric>` for the records answered with grpo.tools' tools (each record's own zoom environment, at
+    most grpo.tools.max_turns calls): the same scorers on each conversation's final answer, plus
+    tool_zooms_per_answer, tool_zoomed_share and per-problem counts of the calls (tool_zoom_malformed, ...).
+    Writes samples_tool.jsonl (each record's final answer, its zoom boxes in original pixels, its
+    conversation's turns) and the first eval.pictures records drawn with their zooms (pictures_tool/)."""
+    from vlmexp.files import atomic_write
+    from vlmexp.processor import prefills_think
+    from vlmexp.prompts import load_images
+    from vlmexp.rewards import completion_text
+    from vlmexp.tools import environment_factory
+    from vlmexp.tools.zoom import zoom_counts
+    from vlmexp.zoom_pictures import write_zoom_pictures
+
+    family, processor = generator.family, generator.processor
+    budget = family.image_budget(processor)
+    family.use_tools(processor)
+    make = environment_factory(cfg.grpo.tools, family, budget)
+    images = [load_images(r.question_images) for r in records]
+    environments = [make() for _ in records]
+    for environment, shown in zip(environments, images, strict=True):
+        environment.reset(images=shown)
+    conversations = generator.converse(prompts, images, environments, cfg.grpo.tools.max_turns,
+                                       cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.batch_size)
+    metrics, rows = score_records(records, [completion_text(c) for c in conversations], family.box_frame,
+                                  budget, cfg.grpo.rewards, prefills_think(processor), cfg.eval.math_grader,
+                                  prompts)
+    counts = [zoom_counts(c) for c in conversations]
+    n = max(1, len(counts))
+    metrics.update(zooms_per_answer=sum(c.zooms for c in counts) / n,
+                   zoomed_share=sum(c.zooms > 0 for c in counts) / n,
+                   zoom_malformed=float(sum(c.malformed for c in counts)),
+                   zoom_outside=float(sum(c.problems.get("outside", 0) for c in counts)),
+                   zoom_unanswered=float(sum(c.unanswered for c in counts)))
+    for row, prompt, environment, conversation in zip(rows, prompts, environments, conversations,
+                                                      strict=True):
+        row.update(prompt=prompt[-1]["content"], zooms=list(environment.crops), turns=[
+            {"role": m["role"], "text": completion_text([m]), "tool_calls": m.get("tool_calls")}
+            for m in conversation])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "samples_tool.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    write_zoom_pictures(rows, cfg.eval.pictures, out / "pictures_tool")
+    return {f"tool_{k}": v for k, v in metrics.items()}

@@ -227,6 +227,16 @@ class Generator:
                  batch_size: int) -> list[str]:
         """Completions for `prompts`, `batch_size` at a time, left-padded (to the bucket); the family's vision
         tokens are never generated; temperature 0 is greedy."""
+        texts = [self.processor.apply_chat_template(with_image_parts(m, len(imgs)), tokenize=False,
+                                                    add_generation_prompt=True)
+                 for m, imgs in zip(prompts, images, strict=True)]
+        ids = self.generate_ids(texts, images, max_new_tokens, temperature, batch_size)
+        return self.processor.tokenizer.batch_decode([new for _, new in ids], skip_special_tokens=True)
+
+    def generate_ids(self, texts: list[str], images: list[list], max_new_tokens: int, temperature: float,
+                     batch_size: int) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, new ids) for rendered prompts `texts` with their images, pads left out (the end of
+        turn kept)."""
         import torch
 
         from vlmexp.modeling import vision_token_ids
@@ -237,13 +247,11 @@ class Generator:
                     else {"do_sample": False})
         sampling.update(generation_config_kwargs(self.settings, self.model.device.type))
         padding = {"pad_to_multiple_of": self.settings.bucket} if self.settings.bucket > 1 else {}
-        out: list[str] = []
-        for start in range(0, len(prompts), batch_size):
-            batch_prompts, batch_images = prompts[start:start + batch_size], images[start:start + batch_size]
-            texts = [self.processor.apply_chat_template(with_image_parts(m, len(imgs)), tokenize=False,
-                                                        add_generation_prompt=True)
-                     for m, imgs in zip(batch_prompts, batch_images, strict=True)]
-            inputs = self.processor(text=texts, images=[im for imgs in batch_images for im in imgs] or None,
+        out: list[tuple[list[int], list[int]]] = []
+        for start in range(0, len(texts), batch_size):
+            batch_texts, batch_images = texts[start:start + batch_size], images[start:start + batch_size]
+            inputs = self.processor(text=batch_texts,
+                                    images=[im for imgs in batch_images for im in imgs] or None,
                                     padding=True, return_tensors="pt", **padding).to(self.model.device)
             with torch.inference_mode():
                 generated = counted_generate(self.model, self.model.generate, self.count, **inputs,
@@ -251,9 +259,48 @@ class Generator:
                                              pad_token_id=tokenizer.pad_token_id,
                                              suppress_tokens=vision_token_ids(self.processor, self.family),
                                              **sampling)
-            out += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:],
-                                          skip_special_tokens=True)
+            width = inputs["input_ids"].shape[1]
+            for row, mask in zip(generated.tolist(), inputs["attention_mask"].tolist(), strict=True):
+                new = row[width:]
+                while new and new[-1] == tokenizer.pad_token_id:
+                    new.pop()
+                out.append(([t for t, m in zip(row[:width], mask, strict=True) if m], new))
         return out
+
+    def converse(self, prompts: list[list[dict]], images: list[list], environments: list, max_turns: int,
+                 max_new_tokens: int, temperature: float, batch_size: int) -> list[list[dict]]:
+        """Completions with tools (grpo.tools), turn by turn as TRL's tool loop makes them in GRPO: each
+        completion is the messages after the prompt (assistant turns, each parsed by the tokenizer's response
+        parser, and tool turns), TRL's form. A turn that calls a tool runs it in the prompt's environment
+        (`environments`, one per prompt) and the next turn sees the result; at most `max_turns` calls are
+        run, and the turn after the last ends the completion. `max_new_tokens` bounds each turn."""
+        from trl.chat_template_utils import parse_response
+
+        from vlmexp.tools import run_tool_calls, tool_methods
+
+        tools = tool_methods(environments[0]) if environments else []
+        done: list[list[dict]] = [[] for _ in prompts]
+        seen = [list(imgs) for imgs in images]  # each conversation's images so far: the record's, the crops
+        active = list(range(len(prompts)))
+        for turn in range(max_turns + 1):
+            texts = [self.processor.apply_chat_template(
+                with_image_parts(prompts[i], len(images[i])) + done[i], tools=tools, tokenize=False,
+                add_generation_prompt=True) for i in active]
+            ids = self.generate_ids(texts, [seen[i] for i in active], max_new_tokens, temperature, batch_size)
+            calling = []
+            for i, (prompt_ids, new) in zip(active, ids, strict=True):
+                message = parse_response(self.processor.tokenizer, new, prefix=prompt_ids, tools=tools)
+                done[i].append(message)
+                if message.get("tool_calls") and turn < max_turns:
+                    results = run_tool_calls(environments[i], message["tool_calls"])
+                    done[i] += results
+                    seen[i] += [p["image"] for m in results if isinstance(m["content"], list)
+                                for p in m["content"] if p.get("type") == "image"]
+                    calling.append(i)
+            active = calling
+            if not active:
+                break
+        return done
 
 
 def sample_and_score(cfg: Config, model_path: str, family, budget, records: list[SampledRecord],

@@ -42,7 +42,11 @@ class RewardError(RuntimeError):
 
 
 def completion_text(completion: Any) -> str:
-    """The assistant text of a TRL completion (list of messages, a message, or a string)."""
+    """The assistant text of a TRL completion (list of messages, a message, or a string); of a conversation
+    with tool turns (grpo.tools), its final assistant turn: the answer the rewards score."""
+    if isinstance(completion, list) and any(isinstance(m, dict) and m.get("role") == "tool"
+                                            for m in completion):
+        completion = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"][-1:]
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):
@@ -320,9 +324,46 @@ class DetectionReward(Reward):
         return read if isinstance(read, Unparsable) else detection_reward(accu_reward_method, *read)
 
 
+@dataclass
+class ToolReward(Reward):
+    """DeepEyes' tool reward: 1 when the completion zoomed (a crop came back) and its final answer is right
+    (`accuracy`, a registered reward, scores it at least `threshold`), else 0; None where `accuracy` does not
+    apply to the record's task. It also reports what the completions did with the tool, through TRL's
+    `log_metric` (vlmexp.tools.zoom.report_zoom_metrics): zooms per completion, the share that zoomed, and
+    per generation batch the malformed calls, boxes outside the image and calls past max_turns."""
+
+    name: ClassVar[str] = "tool"
+    accuracy: str = "exact"
+    threshold: float = 1.0
+    max_turns: int | None = None  # grpo.tools.max_turns (set by the loader): tells over-limit calls apart
+    frame: str = "pixels"
+    budget: Any = None
+
+    def __post_init__(self) -> None:
+        if self.accuracy not in REGISTRY or self.accuracy in ("tool", "format"):
+            raise TypeError(f"accuracy {self.accuracy!r} is not a reward that scores answers: use one of "
+                            f"{', '.join(n for n in REGISTRY if n not in ('tool', 'format'))}")
+        cls = REGISTRY[self.accuracy]
+        boxes = issubclass(cls, (IoUReward, DetectionReward))
+        self._accuracy = cls(frame=self.frame, budget=self.budget) if boxes else cls()
+
+    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+                 log_metric: Callable[[str, float], None] | None = None,
+                 log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
+        from vlmexp.tools.zoom import report_zoom_metrics, zoom_counts
+
+        counts = [zoom_counts(c) for c in completions]
+        right = self._accuracy(prompts, completions, **kwargs)
+        report_zoom_metrics(log_metric, counts, self.max_turns)
+        if log_extra is not None:
+            log_extra("zooms", [c.zooms for c in counts])
+        return [None if r is None else float(c.zooms > 0 and r >= self.threshold)
+                for r, c in zip(right, counts, strict=True)]
+
+
 REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
                                                                  GIoUReward, MathReward, ExactReward,
-                                                                 DetectionReward)}
+                                                                 DetectionReward, ToolReward)}
 
 
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:

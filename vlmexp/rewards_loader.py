@@ -13,7 +13,7 @@ from typing import Any
 
 from vlmexp.errors import short
 from vlmexp.model_rewards import MODEL_REGISTRY
-from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, guarded
+from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, ToolReward, guarded
 
 # every registered name: the rule-based rewards and the model rewards
 REWARDS = {**REGISTRY, **MODEL_REGISTRY}
@@ -154,7 +154,7 @@ def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
     if name not in REWARDS:
         return guarded(load_custom(name), name)
     args = dict(kwargs)
-    if issubclass(REWARDS[name], (IoUReward, DetectionReward)):  # boxes are read in the family's frame
+    if issubclass(REWARDS[name], (IoUReward, DetectionReward, ToolReward)):  # boxes in the family's frame
         args.update(frame=frame, budget=budget)
     if REWARDS[name] is FormatReward and args.get("prefilled_think") is None:
         args["prefilled_think"] = prefilled_think

@@ -265,9 +265,12 @@ class EvalConfig(Section):
 
 
 # The metrics evaluation produces (vlmexp.evaluate.score_records), those present for the records' tasks.
-METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy",
-               "exact_accuracy", "detection_reward", "detection_ap", "detection_ap50", "judge_score",
-               "reward_model_score")
+PLAIN_METRIC_KEYS = ("count", "format_rate", "rec_mean_iou", "rec_acc50", "rec_acc75", "math_accuracy",
+                     "exact_accuracy", "detection_reward", "detection_ap", "detection_ap50", "judge_score",
+                     "reward_model_score")
+# evaluation with the tool (eval.tools): the same metrics prefixed tool_, with what the tool did
+TOOL_METRIC_KEYS = (*(f"tool_{k}" for k in PLAIN_METRIC_KEYS), "tool_zooms_per_answer", "tool_zoomed_share")
+METRIC_KEYS = PLAIN_METRIC_KEYS + TOOL_METRIC_KEYS
 
 
 class ExportConfig(Section):

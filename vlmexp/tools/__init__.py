@@ -1,0 +1,77 @@
+"""Tools a model may call in GRPO's rollouts and in evaluation (grpo.tools): what each offers TRL's
+GRPOTrainer (`environment_factory`), and the rewards GRPO scores a tool run with. One module per tool
+(`zoom`); the tools' names are `vlmexp.config.stages.TOOL_NAMES`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmexp.config.stages import GRPOStageConfig, RewardSpec, ToolsConfig
+
+
+def environment_factory(tools: ToolsConfig, family, budget):
+    """TRL's `environment_factory` for the configured tools (one fresh environment per rollout), or None
+    when grpo.tools offers none."""
+    if not tools.names:
+        return None
+    from vlmexp.tools.zoom import zoom_environment_factory
+
+    return zoom_environment_factory(family.box_frame, budget, tools.min_crop_side)  # names == ["zoom"]
+
+
+def zoom_replay(tools: ToolsConfig, family, budget):
+    """(completion, width, height) -> the completion's zoom boxes in original pixels; None without
+    tools."""
+    if not tools.names:
+        return None
+    from functools import partial
+
+    from vlmexp.tools.zoom import replayed_zooms
+
+    return partial(replayed_zooms, frame=family.box_frame, budget=budget, min_side=tools.min_crop_side)
+
+
+def reward_specs(grpo: GRPOStageConfig) -> list[RewardSpec]:
+    """grpo.rewards, with the tool reward told max_turns, and added at weight 0 when tools are on and it is
+    not configured: its zoom metrics (zoom/*) are logged in every tool run."""
+    specs = list(grpo.rewards)
+    if not grpo.tools.names:
+        return specs
+    if "tool" not in [s.name for s in specs]:
+        specs.append(RewardSpec(name="tool", weight=0.0))
+    return [s.model_copy(update={"kwargs": {**s.kwargs, "max_turns": grpo.tools.max_turns}})
+            if s.name == "tool" else s for s in specs]
+
+
+def tool_settings(grpo: GRPOStageConfig) -> dict[str, Any]:
+    """The TRL GRPOConfig fields grpo.tools sets."""
+    return {"max_tool_calling_iterations": grpo.tools.max_turns} if grpo.tools.names else {}
+
+
+def tool_methods(environment) -> list:
+    """An environment's tools as TRL finds them: its public methods but reset and get_reward."""
+    import inspect
+
+    members = inspect.getmembers(type(environment), inspect.isfunction)
+    return [getattr(environment, name) for name, _ in members
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def run_tool_calls(environment, tool_calls: list[dict]) -> list[dict[str, Any]]:
+    """The tool turns for an assistant turn's calls, in the form TRL's GRPOTrainer makes them: a tool that
+    returns a list of content parts (an image) gives them as the turn's content, an exception (or an unknown
+    tool) gives `str({"error": message})`."""
+    tools = {fn.__name__: fn for fn in tool_methods(environment)}
+    out = []
+    for call in tool_calls:
+        function = call.get("function", call)
+        name = function.get("name", "unknown")
+        try:
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            result = tools[name](**(function.get("arguments") or {}))
+        except Exception as e:  # noqa: BLE001 - as TRL does: the error goes back to the model as the answer
+            result = {"error": str(e)}
+        content = result if isinstance(result, list) else str(result)
+        out.append({"role": "tool", "name": name, "content": content})
+    return out

@@ -4,10 +4,10 @@ in its family's box frame and gets the crop of the original image back as an ima
 One `ZoomEnvironment` per rollout (TRL's `environment_factory`; evaluation makes its own): `reset` takes
 the record's row and keeps its first image; `image_zoom_in_tool` maps the box from the family's frame to
 original pixels (vlmexp/coords.py), clamps it to the image, grows a side shorter than `min_crop_side` around
-its centre, and returns `[{"type": "image", "image": crop}]`. The processor then sizes the crop within the model's image
-budget as it does any image. A box it cannot crop raises `ZoomRefused`: TRL hands the message back to the
-model as the tool's answer ({"error": ...}) and counts a failed call; the message opens with the problem's
-name, which `zoom_counts` reads back out of the conversation.
+its centre, and returns `[{"type": "image", "image": crop}]`. The processor then sizes the crop within
+the model's image budget as it does any image. A box it cannot crop raises `ZoomRefused`: TRL hands the
+message back to the model as the tool's answer ({"error": ...}) and counts a failed call; the message opens
+with the problem's name, which `zoom_counts` reads back out of the conversation.
 
 `zoom_counts` reads what a completion (TRL's list of messages) did with the tool: zooms, refused calls by
 problem, a call left unanswered (past max_turns, or cut because its result would not fit the completion
@@ -101,6 +101,11 @@ class ZoomCounts:
     malformed_text: bool = False  # a turn holds a tool-call tag the parser could not read as a call
 
     @property
+    def calls(self) -> int:
+        """Calls the tool ran (zooms and refusals)."""
+        return self.zooms + sum(self.problems.values())
+
+    @property
     def malformed(self) -> int:
         return self.problems.get("malformed", 0) + int(self.malformed_text)
 
@@ -130,6 +135,39 @@ def zoom_counts(completion: Any) -> ZoomCounts:
     last = completion[-1] if completion else {}
     counts.unanswered = isinstance(last, dict) and bool(last.get("tool_calls"))
     return counts
+
+
+def replayed_zooms(completion: Any, width: int, height: int, frame: str, budget,
+                   min_side: int) -> list[list[int]]:
+    """The crops (original pixels, in order) a completion's calls got back, found again from its calls: each
+    call answered by an image, mapped as the tool maps it (`crop_box`)."""
+    if not isinstance(completion, list):
+        return []
+    calls = [c for m in completion if isinstance(m, dict) and m.get("role") == "assistant"
+             for c in m.get("tool_calls") or []]
+    answers = [m for m in completion if isinstance(m, dict) and m.get("role") == "tool"]
+    out = []
+    for call, answer in zip(calls, answers, strict=False):
+        if isinstance(answer.get("content"), list):
+            args = call.get("function", call).get("arguments") or {}
+            out.append(crop_box(args.get("bbox_2d"), width, height, frame, budget, min_side))
+    return out
+
+
+def report_zoom_metrics(log_metric, counts: list[ZoomCounts], max_turns: int | None) -> None:
+    """GRPO's zoom metrics through TRL's `log_metric`: zoom/zooms_per_completion and zoom/zoomed_share (means
+    over the generation batch); zoom/malformed, zoom/outside, zoom/over_limit (a call past max_turns, not run)
+    and zoom/cut (a call whose result would not fit max_completion_length): counts per generation batch."""
+    if log_metric is None or not counts:
+        return
+    n = len(counts)
+    log_metric("zoom/zooms_per_completion", sum(c.zooms for c in counts) / n)
+    log_metric("zoom/zoomed_share", sum(c.zooms > 0 for c in counts) / n)
+    log_metric("zoom/malformed", float(sum(c.malformed for c in counts)))
+    log_metric("zoom/outside", float(sum(c.problems.get("outside", 0) for c in counts)))
+    over = [c.unanswered and max_turns is not None and c.calls >= max_turns for c in counts]
+    log_metric("zoom/over_limit", float(sum(over)))
+    log_metric("zoom/cut", float(sum(c.unanswered and not o for c, o in zip(counts, over, strict=True))))
 
 
 def zoom_environment_factory(frame: str, budget, min_crop_side: int):

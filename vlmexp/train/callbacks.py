@@ -42,8 +42,11 @@ class CompletionTable(TrainerCallback):
     the completion's boxes as `scorers` read them (vlmexp.evaluate.build_scorers, vlmexp.pictures), its
     weighted reward and its advantage; the file's path is `image_path`."""
 
-    def __init__(self, trainer, every: int, rows: int, scorers=None):
+    def __init__(self, trainer, every: int, rows: int, scorers=None, zooms=None):
         self.trainer, self.every, self.rows, self.scorers = trainer, every, rows, scorers
+        # with grpo.tools: (completion, width, height) -> its zoom boxes (vlmexp.tools.zoom.replayed_zooms);
+        # a completion that zoomed is drawn with its zooms and crops (vlmexp.zoom_pictures)
+        self.zooms = zooms
 
     def table(self, step: int) -> dict[str, list]:
         from vlmexp.rewards import completion_text
@@ -60,7 +63,24 @@ class CompletionTable(TrainerCallback):
                  "completion": completions, "solution": extra.pop("solution", [""] * n), "reward": total,
                  **rewards, "advantage": list(logs["advantages"])[:n], **extra}
         table["image"] = self.pictures(table, paths, completions, total)
+        if self.zooms is not None:
+            self.zoom_pictures(table, list(logs["completion"])[:n])
         return table
+
+    def zoom_pictures(self, table: dict[str, list], raw: list) -> None:
+        """With tools: the `zooms` column (each completion's zoom boxes, original pixels) and, for a
+        completion that zoomed, its `image`: the record's image with the boxes in order and the crops beside
+        it, the final answer and its weighted reward under them."""
+        from vlmexp.answers import extract_answer
+        from vlmexp.zoom_pictures import zoom_picture
+
+        sizes = table.get("image_sizes") or [None] * len(raw)
+        table["zooms"] = [self.zooms(c, *s[0]) if s and table["image_path"][i] else []
+                          for i, (c, s) in enumerate(zip(raw, sizes, strict=True))]
+        for i, boxes in enumerate(table["zooms"]):
+            if boxes:
+                answer = extract_answer(table["completion"][i]) or ""
+                table["image"][i] = zoom_picture(table["image_path"][i], boxes, answer, table["reward"][i])
 
     def weighted(self, rewards: dict[str, list], n: int) -> list[float]:
         """Each completion's reward as GRPO sums it: weights times scores, a masked (NaN) score left out."""

@@ -27,6 +27,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     from vlmexp.generation import configure_trainer, resolve
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
+    from vlmexp.tools import environment_factory, reward_specs, tool_settings, zoom_replay
     from vlmexp.train.callbacks import CompileCountLog, CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad
@@ -35,7 +36,9 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     generation = dict(cfg.grpo.args.get("generation_kwargs") or {})
     if not cfg.grpo.args.get("use_vllm"):  # HF generate: keep vision placeholders out of completions
         generation.setdefault("suppress_tokens", vision_token_ids(inputs.processor, inputs.family))
-    args = trl_args(inputs, reward_weights=[r.weight for r in cfg.grpo.rewards], generation_kwargs=generation)
+    specs = reward_specs(cfg.grpo)  # grpo.rewards (+ the tool reward's metrics when tools are on)
+    args = trl_args(inputs, reward_weights=[r.weight for r in specs], generation_kwargs=generation,
+                    **tool_settings(cfg.grpo))
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "grpo")
     # before the model loads
     check_rewards_score(cfg, set(train_dataset["task"]), set(train_dataset["accu_reward_method"]))
@@ -48,20 +51,25 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     # completions then start inside <think> (the format reward reads so)
     thinking = prefills_think(inputs.processor)
     rewards = [build_reward(r.name, r.kwargs, inputs.family.box_frame, inputs.budget, thinking)
-               for r in cfg.grpo.rewards]
+               for r in specs]
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
+    if cfg.grpo.tools.names:  # the family's tool template and response parser (vlmexp.families)
+        inputs.family.use_tools(inputs.processor)
     trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                                  processing_class=inputs.processor, peft_config=peft_config,
-                                 callbacks=list(callbacks), family=inputs.family, budget=inputs.budget)
+                                 callbacks=list(callbacks), family=inputs.family, budget=inputs.budget,
+                                 environment_factory=environment_factory(cfg.grpo.tools, inputs.family,
+                                                                         inputs.budget))
     # TRL's rollouts as every stage generates; the compile count first among the callbacks, so the logs that
     # MLflow's callback and the caller's callbacks see carry it
     settings = resolve(cfg.generation, trainer.accelerator.device.type)
     trainer.callback_handler.callbacks.insert(
         0, CompileCountLog(configure_trainer(trainer, settings), settings.compile, inputs.run))
     # the table's boxes
-    scorers = build_scorers(cfg.grpo.rewards, inputs.family.box_frame, inputs.budget, thinking)
+    scorers = build_scorers(specs, inputs.family.box_frame, inputs.budget, thinking)
     trainer.add_callback(CompletionTable(trainer, cfg.tracking.completions_every,
-                                         cfg.tracking.completions_per_table, scorers))
+                                         cfg.tracking.completions_per_table, scorers,
+                                         zoom_replay(cfg.grpo.tools, inputs.family, inputs.budget)))
     return trainer, inputs, len(train_dataset)
 
 

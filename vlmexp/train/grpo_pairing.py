@@ -46,6 +46,12 @@ TRL's other silent path: when any sample's image-token count does not match its 
 `_generate_and_score_completions` drops the images of the whole batch ("Drop all images", `has_mismatch`; in
 trl 1.16 reachable through tool-returned images) and would train on the text alone. The family module says
 what a layout is (`Family.image_layout`, `batch_layouts`, `layout_rows`, `layout_tokens`).
+
+Tools (grpo.tools): a crop the zoom tool returns is one more image of its sample, after the record's, its
+placeholders in the completion (TRL's tool turn). The expected layout is then the record's images followed by
+the crops the sample's environment made, in order; TRL drops a tool result that would not fit
+max_completion_length, so a sample may carry fewer crops than its environment made, never others. Image
+tokens are counted over prompt and completion.
 """
 
 from __future__ import annotations
@@ -113,7 +119,8 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
                          f"its own {c:.6g})"
                          for i, (s, c) in enumerate(zip(sums, checksums, strict=True))
                          if abs(s - c) > 1e-6 * max(1.0, abs(c))]
-    is_image = batch["prompt_ids"] == image_token_id  # [B, P]
+    # the record's image tokens sit in the prompt, a tool's crops in the completion
+    is_image = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1) == image_token_id  # [B, P+C]
     want_tokens = torch.tensor([family.layout_tokens(e, budget) for e in expected], device=is_image.device)
     problems += [f"sample {i} ({labels[i]}): {n} image tokens in its prompt, its record's "
                  f"{family.layout_name} need {want_tokens[i].item()}"
@@ -157,15 +164,28 @@ class GuardedGRPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and "image_sizes" in inputs[0]:
             start = time.perf_counter()
-            layouts = [self.family.image_layout(x["image_sizes"], self.budget) for x in inputs]
+            sizes = self._image_sizes(inputs, output.get("num_images"))
+            layouts = [self.family.image_layout(s, self.budget) for s in sizes]
             rows = [self.family.layout_rows(layout) for layout in layouts]
             pixels = output.get("pixel_values")
             sums = (pixel_checksums(pixels, rows) if pixels is not None and pixels.size(0) == sum(rows)
                     else [0.0] * len(inputs))
-            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", len(x["image_sizes"] or []), layout, s)
-                                for x, layout, s in zip(inputs, layouts, sums, strict=True)]
+            output[EXPECTED] = [(f"record {x.get('source_row', '?')}", len(s), layout, c)
+                                for x, s, layout, c in zip(inputs, sizes, layouts, sums, strict=True)]
             self.guard_seconds += time.perf_counter() - start
         return output
+
+    def _image_sizes(self, inputs, num_images) -> list[list[list[int]]]:
+        """Each sample's image sizes: its record's, then the crops its tool environment made (as many as
+        reached the batch: TRL drops a tool result that would not fit the completion)."""
+        sizes = [list(x["image_sizes"] or []) for x in inputs]
+        if not self.environments or num_images is None:
+            return sizes
+        for i, environment in enumerate(self.environments):
+            crops = [[x2 - x1, y2 - y1] for x1, y1, x2, y2 in getattr(environment, "crops", [])]
+            kept = int(num_images[i]) - len(sizes[i])
+            sizes[i] += crops[:kept] if 0 <= kept <= len(crops) else crops
+        return sizes
 
     def _prepare_inputs(self, generation_batch):
         batch = super()._prepare_inputs(generation_batch)

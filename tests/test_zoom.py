@@ -1,0 +1,188 @@
+"""Thinking with images: multi-turn GRPO with the zoom tool (grpo.tools) on the tiny Qwen2.5-VL and Qwen3-VL,
+through TRL's own tool loop. A scripted policy (tests/zoom_script.py) makes the random model write tool calls
+and answers through HF generate; everything else (parsing, the tool, the tool turn, the loss) is the real
+path."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import write_jsonl
+
+from vlmexp.config.loader import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))  # zoom_script
+
+SIDE = 112
+TARGET = (56, 28, 84, 56)  # the red square, original pixels
+
+
+def scene(path: Path):
+    """A white image with a red square at TARGET."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (SIDE, SIDE), "white")
+    ImageDraw.Draw(image).rectangle((TARGET[0], TARGET[1], TARGET[2] - 1, TARGET[3] - 1), fill=(255, 0, 0))
+    image.save(path)
+    return image
+
+
+def write_records(folder: Path, scripts: list[str]) -> Path:
+    """One VLM-R1 conversations record per script name, each on the same scene, answer 'red'."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scene(folder / "scene.png")
+    return write_jsonl(folder / "records.jsonl", [
+        {"image": "scene.png", "accu_reward_method": "all_match", "conversations": [
+            {"from": "human", "value": f"<image>What colour is the square? [script:{name}]"},
+            {"from": "gpt", "value": "red"}]} for name in scripts])
+
+
+def tool_cfg(out: Path, model: Path, records: Path, *overrides: str):
+    data = (f"data.datasets=[{{json_path: {records}, task: exact}}]", f"data.val_datasets=[{{json_path: "
+            f"{records}, task: exact}}]")
+    return load_config(REPO / "configs/demo.yaml", [
+        f"run.output_dir={out}", "tracking.backend=none", f"model.path={model}", "data.demo=null", *data,
+        "sft.enabled=false", "grpo.tools.names=[zoom]", "grpo.tools.max_turns=2",
+        "grpo.rewards=[{name: exact, kwargs: {default_match: exact}}, {name: tool}]",
+        "grpo.args.max_completion_length=400", "grpo.args.logging_steps=1", "grpo.args.save_steps=100",
+        "grpo.args.temperature=1.0", *overrides])
+
+
+def frame_box(family, budget, box=TARGET) -> list[int]:
+    from vlmexp.coords import to_frame
+
+    return [round(v) for v in to_frame(box, SIDE, SIDE, family.box_frame, budget)]
+
+
+def scripted(trainer_model, processor, family, budget):
+    """The scripted policy on the model, and a record of the pixel rows the vision tower receives:
+    [(grad enabled, pixel_values, grid_thw)]."""
+    from zoom_script import ScriptedTurns, call
+
+    box = frame_box(family, budget)
+    script = ScriptedTurns(processor.tokenizer, {
+        "zoom": [call(box), "<answer>red</answer>"],
+        "outside": [call([5000, 5000, 6000, 6000]), "<answer>red</answer>"],
+        "malformed": ['<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2]}}\n'
+                      '</tool_call>', "<tool_call>{oops</tool_call>"],
+        "forever": [call(box)]})
+    model = trainer_model.get_base_model() if hasattr(trainer_model, "get_base_model") else trainer_model
+    model.register_forward_hook(script.hook, with_kwargs=True)
+    seen = []
+
+    def vision(module, args, kwargs):
+        import torch
+
+        pixels = args[0] if args else kwargs["hidden_states"]
+        seen.append((torch.is_grad_enabled(), pixels.detach().clone()))
+
+    model.model.visual.register_forward_pre_hook(vision, with_kwargs=True)
+    return seen
+
+
+def holds_rows(pixels, rows) -> bool:
+    """Whether `rows` ([n, d]) sit as one block in `pixels` ([N, d])."""
+    import torch
+
+    n = rows.size(0)
+    return any(torch.equal(pixels[i:i + n], rows) for i in range(pixels.size(0) - n + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_grpo_zooms_through_trls_tool_loop_and_the_loss_sees_the_crop(tmp_path, tiny_models, family):
+    """One GRPO step of 4 prompts x 2 completions: a zoom then the answer, a box outside the image, malformed
+    calls, calls past max_turns. The crop (not the full image) is what the second turn and the loss forward
+    see; every problem is counted in its own metric and the run goes on."""
+    from PIL import Image
+
+    from vlmexp.tools.zoom import crop_box
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+
+    records = write_records(tmp_path / "data", ["zoom", "outside", "malformed", "forever"])
+    cfg = tool_cfg(tmp_path / "out", tiny_models[family], records, "grpo.args.max_steps=1",
+                   "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
+                   "grpo.args.gradient_accumulation_steps=1")
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    seen = scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    train_and_save(trainer, inputs, rows)
+
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    # zoom: 1 zoom each; forever: 2 zooms each (max_turns 2), then a call not run; outside: refused;
+    # malformed: a call with two numbers (refused) then one the parser cannot read
+    assert logs["zoom/zooms_per_completion"] == pytest.approx((2 * 1 + 2 * 2) / 8)
+    assert logs["zoom/zoomed_share"] == pytest.approx(4 / 8)
+    assert (logs["zoom/outside"], logs["zoom/malformed"], logs["zoom/over_limit"], logs["zoom/cut"]) == (
+        2, 4, 2, 0)
+    # right and zoomed: the two "zoom" completions; "outside" answered right without a zoom
+    assert logs["rewards/tool/mean"] == pytest.approx(2 / 8)
+    assert logs["rewards/exact/mean"] == pytest.approx(4 / 8)
+    assert logs["tools/call_frequency"] == pytest.approx((2 + 2 + 2 + 4) / 8)  # the unreadable call: none
+    # the crop's pixel rows, as the processor makes them from the crop of the original image
+    image = Image.open(records.parent / "scene.png").convert("RGB")
+    crop = image.crop(tuple(crop_box(frame_box(inputs.family, inputs.budget), SIDE, SIDE,
+                                     inputs.family.box_frame, inputs.budget, 28)))
+    crop_rows = inputs.processor.image_processor(images=[crop], return_tensors="pt")["pixel_values"]
+    full_rows = inputs.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    assert crop_rows.shape != full_rows.shape
+    generation = [p for grad, p in seen if not grad]
+    loss = [p for grad, p in seen if grad]
+    assert not holds_rows(generation[0], crop_rows)  # the first turn: the record's image alone
+    assert any(holds_rows(p, crop_rows) for p in generation[1:])  # the turn after the call sees the crop
+    assert len(loss) == 1 and holds_rows(loss[0], crop_rows) and holds_rows(loss[0], full_rows)
+    # 4 prompts x 2: 8 full images, + 2 crops (zoom) + 2 x 2 (forever)
+    assert loss[0].size(0) == 8 * full_rows.size(0) + 6 * crop_rows.size(0)
+
+
+@pytest.mark.slow
+def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(tmp_path, tiny_models,
+                                                                                mlflow_store):
+    """Step 1 saves a checkpoint and stops; a second run resumes there and zooms again at step 2. Each step's
+    completion table in MLflow (read back through MlflowClient) draws a zooming completion with its box on
+    the image and the crop beside it."""
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+    from vlmexp.zoom_pictures import ZOOM_COLOURS
+
+    out = mlflow_store(tmp_path / "out")
+    records = write_records(tmp_path / "data", ["zoom", "forever"])
+    steps = []
+    for step in (1, 2):
+        cfg = tool_cfg(out, tiny_models["qwen2_5_vl"], records, f"grpo.args.max_steps={step}",
+                       "grpo.args.save_steps=1", "grpo.args.per_device_train_batch_size=4",
+                       "grpo.args.num_generations=2", "tracking.backend=mlflow",
+                       "tracking.completions_every=1", "tracking.completions_per_table=4")
+        trainer, inputs, rows = build_grpo_trainer(cfg)
+        scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+        train_and_save(trainer, inputs, rows)
+        steps.append((inputs.resume_from, trainer.state.global_step))
+        zoomed = [h["zoom/zoomed_share"] for h in trainer.state.log_history if "zoom/zoomed_share" in h]
+        assert zoomed[-1] == 1.0  # both prompts zoom: the tool is there after the resume too
+    assert steps[0] == (None, 1) and steps[1][0].endswith("checkpoint-1") and steps[1][1] == 2
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    # `vlmexp train` by hand: a run of its own each time (the pipeline passes its run to the resumed stage)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], order_by=["start_time"])
+    assert [[m.step for m in client.get_metric_history(r.info.run_id, "zoom/zooms_per_completion")]
+            for r in runs] == [[1], [2]]
+    run = runs[1]
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/step_000002.json",
+                                                      str(tmp_path / "dl"))).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    zoomed = [r for r in rows if r["zooms"]]
+    assert zoomed and all(r["zooms"][0] == [56, 28, 84, 56] for r in zoomed)
+    picture = Image.open(client.download_artifacts(run.info.run_id, zoomed[0]["image"]["filepath"],
+                                                   str(tmp_path / "dl"))).convert("RGB")
+    scale = 256 / SIDE
+    assert picture.width > 256  # the crops beside the image
+    assert picture.getpixel((round(56 * scale) + 1, round(42 * scale))) == ZOOM_COLOURS[0]  # box 1's edge
+    # the first crop, beside the image: the red square fills it
+    assert picture.getpixel((256 + 40, 40))[0] > 200 and picture.getpixel((256 + 40, 40))[1] < 60
