@@ -43,6 +43,7 @@ ARITHMETIC = {  # what each setting makes torch, MKL and oneDNN use
 }
 NEEDS_FLAG = {"avx512": "avx512f", "avx2": "avx2", "default": "sse4_2"}
 MARKERS = ("<!-- demo-table:start -->", "<!-- demo-table:end -->")
+ZOOM_MARKERS = ("<!-- zoom-table:start -->", "<!-- zoom-table:end -->")  # configs/demo_zoom.yaml's cells
 
 
 def cpu_flags() -> set[str]:
@@ -111,14 +112,22 @@ def run_cell(config: str, seed: int, dpo_config: str | None, overrides: list[str
         if dpo_cfg is not None:
             models["dpo"] = run_dpo(dpo_cfg, str(models["sft"]))
             lap("dpo")
-        metrics, scores = {}, {}
+        metrics, scores, tool_scores = {}, {}, {}
         for name, model in models.items():
             result = evaluate(cfg, str(model), data.val, Path(tmp) / "eval" / name)
             metrics[name] = result.metrics
             scores[name] = [row["score"] for row in read_jsonl(result.samples_path)]
+            with_tool = result.samples_path.with_name("samples_tool.jsonl")  # eval.tools: on or both
+            if with_tool.is_file():
+                tool_scores[name] = [row["score"] for row in read_jsonl(with_tool)]
         lap("evaluation")
     gains = {name: paired(scores["sft"], scores[name]) for name in models if name not in ("base", "sft")}
-    return {"seed": seed, "metrics": metrics, "gains_over_sft": gains, "seconds": seconds,
+    extra = {}
+    if tool_scores:  # with the tool: each stage's gain over SFT, and each model's gain from the tool
+        extra["tool_gains_over_sft"] = {name: paired(tool_scores["sft"], tool_scores[name])
+                                        for name in models if name not in ("base", "sft")}
+        extra["tool_gains_over_no_tool"] = {name: paired(scores[name], tool_scores[name]) for name in models}
+    return {"seed": seed, "metrics": metrics, "gains_over_sft": gains, **extra, "seconds": seconds,
             "total_s": round(sum(seconds.values()), 1), "torch_threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
@@ -153,13 +162,21 @@ def launch(args: argparse.Namespace, seed: int, arithmetic: str) -> Path:
     return out
 
 
-def table(out_dir: Path) -> str:
-    """The markdown table of every cell in `out_dir`, sorted by seed and arithmetic."""
+def read_cells(out_dir: Path) -> list[dict]:
+    """Every cell's record in `out_dir`, sorted by seed and arithmetic."""
     cells = [json.loads(p.read_text()) for p in sorted(out_dir.glob("seed*.json"))]
     if not cells:
         raise SystemExit(f"no cell JSON in {out_dir}; run the matrix first")
     order = list(ARITHMETIC)
-    cells.sort(key=lambda c: (c["seed"], order.index(c["arithmetic"])))
+    return sorted(cells, key=lambda c: (c["seed"], order.index(c["arithmetic"])))
+
+
+def table(out_dir: Path) -> str:
+    """The markdown table of every cell in `out_dir`, sorted by seed and arithmetic (the zoom demo's cells,
+    evaluated with the tool too: `zoom_table`)."""
+    cells = read_cells(out_dir)
+    if "tool_gains_over_sft" in cells[0]:
+        return zoom_table(cells, out_dir)
     has_dpo = any("dpo" in c["metrics"] for c in cells)
     head = "| seed | arithmetic | base | SFT | GRPO | GRPO - SFT (paired SE) | acc50 SFT -> GRPO |"
     rule = "|---|---|---|---|---|---|---|"
@@ -186,13 +203,40 @@ def table(out_dir: Path) -> str:
     return "\n".join(rows) + "\n" + note
 
 
-def write_readme(readme: Path, text: str) -> None:
+def zoom_table(cells: list[dict], out_dir: Path) -> str:
+    """Held-out accuracy of base, SFT and GRPO without the tool and with it, zooms per answer, and the gains
+    with their paired standard errors, one row per cell."""
+    def pair(gain: dict) -> str:
+        return f"{gain['gain']:+.3f} ({gain['se']:.3f})"
+
+    rows = ["| seed | arithmetic | base: no tool / tool | SFT: no tool / tool | GRPO: no tool / tool "
+            "| zooms per answer, base / SFT / GRPO | GRPO - SFT, tool (paired SE) "
+            "| tool - no tool, GRPO (paired SE) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        m = c["metrics"]
+        acc = [f"{m[k]['exact_accuracy']:.3f} / {m[k]['tool_exact_accuracy']:.3f}"
+               for k in ("base", "sft", "grpo")]
+        zooms = " / ".join(f"{m[k]['tool_zooms_per_answer']:.2f}" for k in ("base", "sft", "grpo"))
+        rows.append(f"| {c['seed']} | {c['arithmetic']} | {' | '.join(acc)} | {zooms} | "
+                    f"{pair(c['tool_gains_over_sft']['grpo'])} | "
+                    f"{pair(c['tool_gains_over_no_tool']['grpo'])} |")
+    machines = sorted({c["machine"] for c in cells})
+    threads = sorted({c["threads"] for c in cells})
+    folder = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
+    note = (f"\nMeasured on {', '.join(machines)}, {'/'.join(map(str, threads))} thread(s), config "
+            f"`{cells[0]['config']}` at {', '.join(sorted({c['commit'] for c in cells}))}; held-out exact "
+            f"accuracy (bench/demo_matrix.py, one JSON per cell in {folder}, each with its phases' seconds).")
+    return "\n".join(rows) + "\n" + note
+
+
+def write_readme(readme: Path, text: str, markers: tuple[str, str] = MARKERS) -> None:
     content = readme.read_text()
-    start, end = (content.find(m) for m in MARKERS)
+    start, end = (content.find(m) for m in markers)
     if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {MARKERS[0]} ... {MARKERS[1]} block; add the two marker lines "
+        raise SystemExit(f"{readme} has no {markers[0]} ... {markers[1]} block; add the two marker lines "
                          "where the demo table belongs")
-    readme.write_text(content[: start + len(MARKERS[0])] + "\n" + text + "\n" + content[end:])
+    readme.write_text(content[: start + len(markers[0])] + "\n" + text + "\n" + content[end:])
 
 
 def main() -> None:
@@ -222,7 +266,8 @@ def main() -> None:
         text = table(out_dir)
         print(text)
         if args.readme:
-            write_readme(Path(args.readme), text)
+            zoom = "tool_gains_over_sft" in read_cells(out_dir)[0]
+            write_readme(Path(args.readme), text, ZOOM_MARKERS if zoom else MARKERS)
         return
     flags = cpu_flags()
     wanted = args.arithmetic or [a for a in ARITHMETIC if NEEDS_FLAG[a] in flags]

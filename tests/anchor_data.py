@@ -14,7 +14,15 @@ embedded images through `datasets`, JSON / JSONL with image paths), for the form
   sharegpt preference file (`conversations` from/value, `chosen` / `rejected` messages) and an alpaca file
   with images and history, with their dataset_info.json entries as data/dataset_info.json writes them.
 - ms-swift: `messages` with `<image>` tags, `images`, `rejected_response` (docs:
-  Customization/Custom-dataset.md).
+  Customization/Custom-dataset.md); its agent layout, `tool_call` / `tool_response` turns and a `tools`
+  column.
+- V* Bench (craigwu/vstar_bench): test_questions.jsonl (`image`, `text` with the options, `label`,
+  `question_id`, `category`) beside the images' folders; and the plain V*-style form, `question`, `image`,
+  `answer`, `bbox`.
+- DeepEyes-47k (ChenShawn/DeepEyes-Datasets-47k): verl rows in parquet, `data_source`, `prompt` (DeepEyes'
+  tool system prompt and the user turn), `images`, `ability`, `reward_model`, `extra_info`.
+- TRL's tool calling with images: `messages` whose assistant turns carry `tool_calls` and whose `tool` turns
+  carry the crop as an image part; `images` lists the question's image, then the crops.
 """
 
 from __future__ import annotations
@@ -210,3 +218,138 @@ def as_jsonl_with_paths(parquet: Path, folder: Path) -> Path:
 
     rows = [unembed(row) for row in pq.read_table(parquet).to_pylist()]
     return write_jsonl(folder / "data.jsonl", rows)
+
+
+ZOOM_TOOL = "image_zoom_in_tool"
+# DeepEyes' system prompt (Visual-Agent/DeepEyes eval/eval_vstar.py, the training data's alike) and user
+# suffix
+DEEPEYES_SYSTEM = (
+    "You are a helpful assistant.\n\n# Tools\nYou may call one or more functions to assist with the user "
+    "query.\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type":"function","function":{"name":"image_zoom_in_tool","description":"Zoom in on a specific region '
+    'of an '
+    'image by cropping it based on a bounding box (bbox) and an optional object label.","parameters":{"type":'
+    '"object","properties":{"bbox_2d":{"type":"array","items":{"type":"number"},"minItems":4,"maxItems":4},'
+    '"label":{"type":"string"}},"required":["bbox"]}}}\n</tools>\n\n# How to call a tool\nReturn a json '
+    'object '
+    "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+DEEPEYES_SUFFIX = ("\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  "
+                   "<think>...</think>  <tool_call>...</tool_call> (if tools needed)  <answer>...</answer> ")
+
+
+def jpeg(color: str, size=(160, 120)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def vstar_bench(folder: Path, n: int = 4) -> Path:
+    """craigwu/vstar_bench as downloaded: test_questions.jsonl, the images under their category's
+    folder."""
+    root = folder / "vstar_bench"
+    rows = []
+    for i in range(n):
+        category = ("direct_attributes", "relative_position")[i % 2]
+        name = f"{category}/sa_{1000 + i}.jpg"
+        (root / category).mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(jpeg(COLORS[i % 4]))
+        options = ("(A) red\n(B) blue\n(C) green\n(D) yellow" if category == "direct_attributes"
+                   else "(A) left\n(B) right")
+        rows.append({"image": name, "text": f"What is the colour of the glove?\n{options}\nAnswer with the "
+                     "option's letter from the given choices directly.", "category": category,
+                     "question_id": i, "label": "AB"[i % 2]})
+    return write_jsonl(root / "test_questions.jsonl", rows)
+
+
+def vqa_with_box(folder: Path, n: int = 4) -> Path:
+    """The plain V*-style form: a question, an image, the answer, the target's box in original pixels."""
+    root = folder / "vqa"
+    for color in COLORS:
+        make_png(root / f"{color}.png", (160, 120), color)
+    rows = [{"image": f"{COLORS[i % 4]}.png", "question": "What colour is the small square?",
+             "answer": COLORS[i % 4], "bbox": [10 + i, 20, 40 + i, 50]} for i in range(n)]
+    return write_jsonl(root / "vqa.jsonl", rows)
+
+
+def deepeyes_47k(folder: Path, n: int = 4) -> Path:
+    """A DeepEyes-47k shard as published (data_0.1.2_visual_toolbox_v2.parquet's columns)."""
+    from datasets import Features, Image, List, Value
+
+    message = {"content": Value("string"), "role": Value("string")}
+    features = Features({
+        "data_source": Value("string"), "prompt": List(message), "images": List(Image()),
+        "ability": Value("string"),
+        "reward_model": {"ground_truth": Value("string"), "style": Value("string")},
+        "extra_info": {"answer": Value("string"), "index": Value("int64"), "question": Value("string"),
+                       "split": Value("string")},
+    })
+    questions = [f"What is the colour of the umbrella {i}?" for i in range(n)]
+    rows = {"data_source": ["vstar"] * n,
+            "prompt": [[{"role": "system", "content": DEEPEYES_SYSTEM},
+                        {"role": "user", "content": f"<image>\n{q}{DEEPEYES_SUFFIX}"}] for q in questions],
+            "images": [[{"bytes": jpeg(COLORS[i % 4]), "path": None}] for i in range(n)],
+            "ability": ["vl_chart"] * n,
+            "reward_model": [{"ground_truth": COLORS[i % 4], "style": "model"} for i in range(n)],
+            "extra_info": [{"answer": COLORS[i % 4], "index": i, "question": q, "split": "train"}
+                           for i, q in enumerate(questions)]}
+    shard = folder / "DeepEyes-Datasets-47k" / "data_0.1.2_visual_toolbox_v2.parquet"
+    return to_parquet(rows, features, shard)
+
+
+def zoom_turns(i: int) -> tuple[list[float], str]:
+    """The zoom box and the answer of tool-use record `i` (shared by the TRL and ms-swift layouts)."""
+    return [8.0 + i, 8.0, 40.0 + i, 40.0], COLORS[i % 4]
+
+
+def trl_tool_calls(folder: Path, n: int = 4) -> Path:
+    """TRL's tool-calling conversations with images (parquet): the question and its image, the assistant's
+    zoom call, the tool turn with the crop as an image part, the answer; `images`: the image, then the
+    crop."""
+    from datasets import Features, Image, List, Value
+
+    part = {"text": Value("string"), "type": Value("string")}
+    call = {"function": {"arguments": {"bbox_2d": List(Value("float64"))}, "name": Value("string")},
+            "type": Value("string")}
+    features = Features({"messages": List({"content": List(part), "role": Value("string"),
+                                           "tool_calls": List(call)}),
+                         "images": List(Image()), "solution": Value("string")})
+    messages, images = [], []
+    for i in range(n):
+        box, answer = zoom_turns(i)
+        messages.append([
+            {"role": "user", "content": [{"type": "image", "text": None},
+                                         {"type": "text", "text": "What colour is the small square?"}],
+             "tool_calls": None},
+            {"role": "assistant", "content": [{"type": "text", "text": "<think>It is small.</think>"}],
+             "tool_calls": [{"type": "function",
+                             "function": {"name": ZOOM_TOOL, "arguments": {"bbox_2d": box}}}]},
+            {"role": "tool", "content": [{"type": "image", "text": None}], "tool_calls": None},
+            {"role": "assistant", "content": [{"type": "text", "text": f"<answer>{answer}</answer>"}],
+             "tool_calls": None}])
+        images.append([{"bytes": png(COLORS[i % 4], (96, 96)), "path": None},
+                       {"bytes": png(COLORS[(i + 1) % 4], (32, 32)), "path": None}])
+    rows = {"messages": messages, "images": images, "solution": [zoom_turns(i)[1] for i in range(n)]}
+    return to_parquet(rows, features, folder / "trl-tools" / "train.parquet")
+
+
+def ms_swift_agent(folder: Path, n: int = 4) -> Path:
+    """ms-swift's agent layout: `tool_call` turns holding the call's JSON, `tool_response` turns (here with
+    the crop's `<image>` tag), a `tools` column of JSON schemas, `images` paths in the order of their tags."""
+    root = folder / "swift-agent"
+    tools = json.dumps([{"type": "function", "function": {"name": ZOOM_TOOL, "parameters": {
+        "type": "object", "properties": {"bbox_2d": {"type": "array"}}}}}])
+    rows = []
+    for i in range(n):
+        box, answer = zoom_turns(i)
+        make_png(root / f"full_{i}.png", (96, 96), COLORS[i % 4])
+        make_png(root / f"crop_{i}.png", (32, 32), COLORS[(i + 1) % 4])
+        rows.append({"tools": tools, "images": [f"full_{i}.png", f"crop_{i}.png"], "messages": [
+            {"role": "user", "content": "<image>What colour is the small square?"},
+            {"role": "assistant", "content": "<think>It is small.</think>"},
+            {"role": "tool_call", "content": json.dumps({"name": ZOOM_TOOL, "arguments": {"bbox_2d": box}})},
+            {"role": "tool_response", "content": "<image>"},
+            {"role": "assistant", "content": f"<answer>{answer}</answer>"}]})
+    return write_jsonl(root / "agent.jsonl", rows)

@@ -328,7 +328,7 @@ def test_reward_columns_and_content_digest_are_one_function(tmp_path, imgs):
     [record] = _read(res.path)
     assert reward_columns(record) == {"solution": "[1.0, 2.0, 30.0, 40.0]", "task": "rec",
                                       "accu_reward_method": "iou", "image_sizes": [[64, 48]], "source_row": 0,
-                                      "image_path": str(imgs / "a.png")}
+                                      "image_path": str(imgs / "a.png"), "bbox": None}
     assert columns_of([record, record])["solution"] == ["[1.0, 2.0, 30.0, 40.0]"] * 2
     manifest = json.loads(res.manifest_path.read_text())
     assert manifest["content_sha256"] == content_sha256([record]) == res.content_sha256

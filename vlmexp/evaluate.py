@@ -130,8 +130,9 @@ def evaluate(cfg: Config, model_path: str, records_path: str | Path, out_dir: st
     out = Path(out_dir)
     metrics, rows = {}, []
     if tool_modes(cfg) != ("on",):
-        completions = generator(prompts, [load_images(r.images) for r in records], cfg.eval.max_new_tokens,
-                                cfg.eval.temperature, cfg.eval.batch_size)
+        images = [load_images(r.question_images) for r in records]
+        completions = generator(prompts, images, cfg.eval.max_new_tokens, cfg.eval.temperature,
+                                cfg.eval.batch_size)
         metrics, rows = score_records(records, completions, family.box_frame, family.image_budget(processor),
                                       without_tool_reward(cfg.grpo.rewards), prefills_think(processor),
                                       cfg.eval.math_grader, prompts)
@@ -171,7 +172,7 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     budget = family.image_budget(processor)
     family.use_tools(processor)
     make = environment_factory(cfg.grpo.tools, family, budget)
-    images = [load_images(r.images) for r in records]
+    images = [load_images(r.question_images) for r in records]
     environments = [make() for _ in records]
     for environment, shown in zip(environments, images, strict=True):
         environment.reset(images=shown)

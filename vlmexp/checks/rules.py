@@ -89,8 +89,8 @@ def check_sections(cfg: Config) -> list[Found]:
     exporting the best checkpoint needs validation during training, and checkpoints saved by step."""
     out: list[Found] = []
     d, every = cfg.data, cfg.eval.every_steps
-    held_out = d.demo is not None or any(x is not None for x in (d.val_datasets, d.val_data_yaml,
-                                                                 d.val_fraction))
+    held_out = any(x is not None for x in (d.demo, d.zoom_demo, d.val_datasets, d.val_data_yaml,
+                                           d.val_fraction))
     if every and not held_out:
         out.append((("eval", "every_steps"), every, "validation during training needs held-out records: set "
                     "data.val_datasets, data.val_data_yaml or data.val_fraction, or eval.every_steps: 0"))

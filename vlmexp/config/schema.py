@@ -258,10 +258,41 @@ class DemoDataConfig(Section):
         return value
 
 
+class ZoomDemoConfig(Section):
+    """Generate the embedded zoom dataset (vlmexp.data.zoom_demo) under <output_dir> on first use: images
+    larger than the model's pixel budget, each with one small framed square whose colour is a one-pixel
+    checkerboard of the colour and its complement, so that at the budget every colour blurs to the same grey
+    and only a zoom shows it. Training records are zoom-then-answer conversations from a loose annotator, the
+    call written in model.family's box frame with model.min_pixels / max_pixels; held-out records are V*-style
+    (image, question, answer, the target's box)."""
+
+    train: PositiveInt = Field(512, description="Training records (zoom-then-answer demonstrations).")
+    val: PositiveInt = Field(128, description="Held-out records.")
+    seed: int = Field(0, description="Seed of the generated images and demonstrations.")
+    side: PositiveInt = Field(448, ge=56, description="Image side in pixels (square images).")
+    target: tuple[PositiveInt, PositiveInt] = Field(
+        (24, 32), description="The framed square's side range [low, high] in pixels, its 2-pixel black frame "
+        "included.")
+    annotator_loose: float = Field(
+        0.5, ge=0, le=2, description="The demonstrations' zoom box pushes each edge outward by this share of "
+        "the target's side (a loose annotator); the target's exact box travels with each record as `bbox`.")
+    annotator_jitter: float = Field(
+        0.15, ge=0, le=1, description="... and moves each edge by a uniform draw in [-j, +j] x the side.")
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if not 8 <= value[0] <= value[1]:
+            raise ValueError(f"target {list(value)} needs 8 <= low <= high (pixels, frame included)")
+        return value
+
+
 class DataConfig(Section):
     datasets: list[DataSource] | None = Field(None, description="Training sources (VLM-R1 YAML entries).")
     data_yaml: str | None = Field(None, description="A VLM-R1 data YAML with a `datasets:` list.")
     demo: DemoDataConfig | None = Field(None, description="Use the generated demo dataset.")
+    zoom_demo: ZoomDemoConfig | None = Field(None, description="Use the generated zoom dataset (images "
+                                             "whose answer needs a zoom; configs/demo_zoom.yaml).")
     val_datasets: list[DataSource] | None = Field(None, description="Held-out sources.")
     val_data_yaml: str | None = Field(None, description="A VLM-R1 data YAML of held-out sources.")
     val_fraction: float | None = Field(None, gt=0, lt=1, description="Hold out this share of training rows.")
@@ -282,11 +313,10 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_train_source(self) -> DataConfig:
-        given = [k for k in ("datasets", "data_yaml", "demo") if getattr(self, k) is not None]
+        given = [k for k in ("datasets", "data_yaml", "demo", "zoom_demo") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(
-                f"set exactly one of data.datasets, data.data_yaml, data.demo (got {given or 'none'})"
-            )
+            raise ValueError(f"set exactly one of data.datasets, data.data_yaml, data.demo, data.zoom_demo "
+                             f"(got {given or 'none'})")
         val = [k for k in ("val_datasets", "val_data_yaml", "val_fraction") if getattr(self, k) is not None]
         if len(val) > 1:
             raise ValueError(f"set at most one of data.val_datasets, data.val_data_yaml, data.val_fraction "

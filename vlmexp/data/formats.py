@@ -25,6 +25,16 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     "answer"}.
 (i) "alpaca": LLaMA-Factory's alpaca, {"instruction", "input", "output", "history": [[instruction, response]],
     "images"}; its preference form has "chosen" / "rejected" strings instead of "output".
+(j) "deepeyes": DeepEyes-47k's verl rows (ChenShawn/DeepEyes-Datasets-47k), {"data_source", "prompt": [system
+    (the tool prompt), user], "images": [{bytes, path}], "ability", "reward_model": {"ground_truth", "style"},
+    "extra_info"}; the answer is reward_model.ground_truth, graded by a judge model where style is "model"
+    (DeepEyes asks one), by VLM-R1's default where it is "rule".
+(k) "vstar": V* Bench's test_questions.jsonl (craigwu/vstar_bench), {"image", "text" (the question with its
+    options (A) ..., (D)), "label" (the option letter), "question_id", "category"}: a multiple-choice record.
+(l) "vqa": a question about an image, {"image" or "images", "question", "answer"}, optional "bbox": the
+    target's box [x1, y1, x2, y2] in original pixels (any format may carry one).
+Conversational formats may hold tool use between the question and the answer (vlmexp.data.turns): the
+assistant's calls and the tools' turns, whose images follow the question's in "images".
 
 Conversations are read by vlmexp.data.turns (roles, typed content parts, `<image>` tags, turn order).
 An image is a path, a `{bytes, path}` struct (a `datasets.Image` as parquet and Arrow store it), raw bytes
@@ -52,9 +62,14 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "pairs": ("image or images", "question or problem", "chosen", "rejected"),
     "easyr1": ("problem", "answer", "images"),
     "rec": ("image", "problem", "solution"),
+    "deepeyes": ("prompt", "reward_model"),
+    "vstar": ("image", "text", "label"),
+    "vqa": ("image or images", "question", "answer"),
 }
 FORMATS = tuple(FORMAT_FIELDS)
 DEFAULT_TASK = {**{fmt: "exact" for fmt in FORMATS}, "rec": "rec", "easyr1": "math"}
+# DeepEyes-47k's reward_model.style -> accu_reward_method: DeepEyes grades its answers with a judge model
+DEEPEYES_STYLES = {"model": "llm", "rule": "default"}
 # What each format's records carry for SFT to imitate as written. The others hold a ground truth to score
 # against (EasyR1's `answer`; a rec record's box, from which SFT builds its target; a prompt-only record's
 # solution).
@@ -79,7 +94,8 @@ REFUSED_METHODS: dict[str, str] = {}  # methods VLM-R1 defines that vlmexp does 
 # the field names a source's `columns` mapping may produce
 FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages",
           "prompt", "completion", "system", "instruction", "input", "output", "history", "accu_reward_method",
-          "task", "id", "chosen", "rejected", "rejected_response", "demonstration")
+          "task", "id", "chosen", "rejected", "rejected_response", "demonstration", "bbox", "text", "label",
+          "reward_model")
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,8 @@ class Example:
     id: str | None = None  # the record's own id field
     system: str | None = None  # the record's own system message
     history: list[dict[str, str]] = field(default_factory=list)  # turns before the last user turn
+    tool_turns: list[dict[str, Any]] = field(default_factory=list)  # tool use before the answer (turns.py)
+    box: list[float] | None = None  # the target's box in original pixels (`bbox`)
 
 
 def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
@@ -105,6 +123,8 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
     has = [k for k in ("prompt", "completion", "chosen", "rejected", "rejected_response", "messages",
                        "conversations", "instruction", "output", "answer", "images", "solution", "problem")
            if k in record]
+    if "prompt" in has and "reward_model" in record:
+        return "deepeyes", ["prompt", "reward_model"]
     if "prompt" in has:
         pair = [k for k in ("chosen", "rejected") if k in has]
         if pair:
@@ -121,6 +141,10 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
         return "preference", ["chosen", "rejected"]
     if "chosen" in has or "rejected" in has:
         return "pairs", [k for k in ("chosen", "rejected") if k in has]
+    if "question" in record and "answer" in has:
+        return "vqa", ["question", "answer"]
+    if "text" in record and "label" in record and "image" in record:
+        return "vstar", ["text", "label"]
     if "answer" in has and "images" in has:
         return "easyr1", ["answer", "images"]
     if "solution" in has and "problem" in has:
@@ -160,6 +184,14 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
     elif fmt == "easyr1":
         images, problem, solution = _as_list(need("images"), "images"), need("problem"), need("answer")
         problem = _strip_image_tags(problem, len(images), "problem")
+    elif fmt == "vqa":
+        images = _as_list(record["image"] if "image" in record else need("images"), "images")
+        problem, solution = _strip_image_tags(need("question"), len(images), "question"), need("answer")
+    elif fmt == "vstar":
+        images, problem, solution = _as_list(need("image"), "image"), need("text"), need("label")
+        record = {"accu_reward_method": "mcq", **record}  # V*'s label is the option letter
+    elif fmt == "deepeyes":
+        images, problem, solution, parts, record = _deepeyes(record, need, tags or Tags())
     else:
         images, problem, solution, parts = _conversational(record, fmt, need, tags or Tags())
     if parts["rejected"] is not None and parts["target"] is not None and \
@@ -174,15 +206,57 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
     else:
         solution = str(solution)
         _check_solution(solution, method, len(images))
-    record_id = None if record.get("id") is None else str(record["id"])
+    record_id = next((str(record[k]) for k in ("id", "question_id") if record.get(k) is not None), None)
     return Example(images=images, problem=problem, solution=solution, task=task, method=method, id=record_id,
-                   **parts)
+                   box=_target_box(record), **parts)
+
+
+def _target_box(record: dict[str, Any]) -> list[float] | None:
+    """The record's `bbox` (the target's box in original pixels), or None; ValueError when it holds none."""
+    from vlmexp.data.images import describe
+
+    if record.get("bbox") is None:
+        return None
+    box = parse_box(record["bbox"])
+    if box is None:
+        raise ValueError(f"bbox {describe(record['bbox'])} holds no box; write the target's [x1, y1, x2, y2] "
+                         "in original pixels or drop the field")
+    return box
+
+
+def _deepeyes(record: dict[str, Any], need, tags: Tags) -> tuple[list, str, Any, dict[str, Any], dict]:
+    """(images, problem, solution, parts, the record with its accu_reward_method) of a DeepEyes-47k row: the
+    prompt's system message (DeepEyes' tool prompt) and user turn, the answer in reward_model.ground_truth."""
+    grading = need("reward_model")
+    if not isinstance(grading, dict) or not isinstance(grading.get("ground_truth"), str):
+        raise ValueError("field 'reward_model' must be {ground_truth: the answer, style: model | rule}, got "
+                         f"{str(grading)[:120]}")
+    style = grading.get("style")
+    if style not in DEEPEYES_STYLES:
+        raise ValueError(f"reward_model.style {style!r} is not one of {', '.join(DEEPEYES_STYLES)} (model: a "
+                         "judge model grades the answer, as DeepEyes does; rule: VLM-R1's default matching)")
+    conv = conversation(read_turns(need("prompt"), "prompt", tags), "prompt")
+    images = _as_list(need("images"), "images")
+    if conv.image_tags != len(images) or conv.answer is not None:
+        raise ValueError(f"prompt has {conv.image_tags} <image> tags for {len(images)} images and "
+                         f"{'an' if conv.answer else 'no'} answer turn; a DeepEyes prompt is a system and a "
+                         "user turn whose tags match `images`")
+    parts = {"rejected": None, "demonstration": None, "target": None, "system": conv.system,
+             "history": conv.history}
+    method = record.get("accu_reward_method") or DEEPEYES_STYLES[style]
+    return images, conv.problem, grading["ground_truth"], parts, {**record, "accu_reward_method": method}
 
 
 def read_fields(record: dict[str, Any], fmt: str) -> set[str]:
     """The fields of `record` that `parse_record` reads in format `fmt`; the record's others travel with it as
     the SampledRecord's `extra` and reach the rewards as keyword columns (vlmexp.data.normalise)."""
-    common = {"accu_reward_method", "task", "id"}
+    common = {"accu_reward_method", "task", "id", "bbox"}
+    if fmt == "vqa":
+        return common | {"image", "images", "question", "answer"}
+    if fmt == "vstar":
+        return common | {"image", "text", "label", "question_id"}
+    if fmt == "deepeyes":
+        return common | {"prompt", "images", "reward_model"}
     if fmt == "pairs":
         return common | {"image", "images", "question", "problem", "chosen", "rejected"}
     if fmt == "rec":
@@ -258,7 +332,8 @@ def _conversational(record: dict[str, Any], fmt: str, need,
     system = (record.get("system") if conv.system is None and isinstance(record.get("system"), str)
               else conv.system)
     return images, problem, solution, {"rejected": rejected, "demonstration": None, "target": target,
-                                       "system": system, "history": conv.history}
+                                       "system": system, "history": conv.history,
+                                       "tool_turns": conv.tool_turns}
 
 
 def _alpaca_turns(record: dict[str, Any], need) -> list[Turn]:

@@ -73,6 +73,8 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
     paths, sizes = [r[0] for r in resolved], [list(r[1]) for r in resolved]
     if (msg := _box_problem(ex, sizes)) is not None:
         return Problem(where, "solution", msg)
+    if ex.box is not None and (msg := check_box(ex.box, sizes[0])) is not None:
+        return Problem(where, "bbox", f"the target's {msg}")
     embedded = [not isinstance(ref, str) and not (isinstance(ref, dict) and ref.get("bytes") is None)
                 for ref in ex.images]
     # machine-independent names: embedded images by their stored name (relative to the store's parent, the
@@ -84,7 +86,8 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
                          images=paths, image_sizes=sizes, image_refs=refs, source=origin.source,
                          source_id=origin.source_id, source_row=origin.row, record_format=fmt, id=ex.id,
                          system=ex.system, history=ex.history, target=ex.target,
-                         demonstration=ex.demonstration, rejected=ex.rejected, extra=extra), sum(embedded)
+                         demonstration=ex.demonstration, rejected=ex.rejected, extra=extra,
+                         tool_turns=ex.tool_turns, box=ex.box), sum(embedded)
 
 
 def _binary(value: Any) -> bool:

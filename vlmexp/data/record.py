@@ -56,7 +56,17 @@ class SampledRecord:
     rejected: str | None = None  # the dispreferred answer of a preference record (the chosen one is `target`)
     extra: dict[str, Any] = field(default_factory=dict)  # the source record's other fields, as JSON:
     # reward columns
+    # the assistant's calls and the tools' turns between the question and `target` when the answer took tool
+    # calls: {role: assistant, content: text with its calls as <tool_call>...</tool_call>} and {role: tool,
+    # content: text, images: n}; the tool turns' images follow the question's in `images`, in order
+    tool_turns: list[dict[str, Any]] = field(default_factory=list)
+    box: list[float] | None = None  # the target's box in original pixels (V*-style records), or None
     schema: int = SCHEMA_VERSION
+
+    @property
+    def question_images(self) -> list[str]:
+        """The images of the question (a prompt's), without those the tool turns brought."""
+        return self.images[:len(self.images) - sum(t.get("images", 0) for t in self.tool_turns)]
 
     @property
     def where(self) -> str:
@@ -121,11 +131,13 @@ def read_sampled(path: str | Path) -> list[SampledRecord]:
 # GRPO's dataset columns TRL reads itself, and what TRL's GRPOTrainer adds (trl/trainer/grpo_trainer.py,
 # `_calculate_rewards`). A source field of one of these names reaches the rewards as `source_<name>`
 # (`reward_name`; the sample report and manifest state it), so a published layout is never refused for it.
-REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path")
+REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "source_row", "image_path",
+                  "bbox")
 OWN_COLUMNS = {
     "solution": "the answer rewards grade", "task": "the task that scores the answer",
     "accu_reward_method": "how the answer is scored", "image_sizes": "the images' [width, height]",
     "source_row": "the record's row in its source", "image_path": "the first image's path",
+    "bbox": "the target's box in original pixels, or None",
     "prompt": "GRPO's prompt column", "image": "GRPO's image column", "images": "GRPO's images column",
     "prompts": "TRL's prompts argument", "completions": "TRL's completions argument",
     "completion": "TRL's completion column", "completion_ids": "TRL's completion_ids argument",
@@ -165,11 +177,13 @@ def reward_columns(record: SampledRecord, names: Sequence[str] = ()) -> dict[str
     """The keyword columns reward functions receive for `record`, as TRL passes every dataset column (GRPO's
     dataset columns; DPO's sample scoring, the difficulty filter, validation and evaluation pass the same):
     the source's own fields (`source_columns`; `names` it lacks as None, for rows of several sources), then
-    vlmexp's: the solution as a string (a box as JSON), task, method, sizes, row, first image."""
+    vlmexp's: the solution as a string (a box as JSON), task, method, sizes, row, first image, the target's
+    box."""
     return {**{name: None for name in names}, **source_columns(record),
             "solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
             "task": record.task, "accu_reward_method": record.method, "image_sizes": record.image_sizes,
-            "source_row": record.source_row, "image_path": record.images[0] if record.images else ""}
+            "source_row": record.source_row, "image_path": record.images[0] if record.images else "",
+            "bbox": record.box}
 
 
 def source_column_names(records: Iterable[SampledRecord]) -> list[str]:

@@ -36,6 +36,8 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
                            annotator_of(d.demo))
         train = load_data_yaml(folder / "train.yaml")
         default_val = load_data_yaml(folder / "val.yaml")
+    elif d.zoom_demo is not None:
+        train, default_val = _zoom_demo_sources(cfg)
     else:
         train = (load_data_yaml(d.data_yaml) if d.data_yaml
                  else [resolve_relative(s, cwd) for s in d.datasets or []])
@@ -47,6 +49,17 @@ def config_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
     else:
         val = [] if d.val_fraction else default_val
     return train, val
+
+
+def _zoom_demo_sources(cfg: Config) -> tuple[list[DataSource], list[DataSource]]:
+    """The zoom dataset's (train, val) sources, generated on first use in the model's box frame."""
+    from vlmexp.data.zoom_demo import box_frame_of, make_zoom_demo_data, scenes_of, zoom_folder_name
+
+    demo, frame = cfg.data.zoom_demo, box_frame_of(cfg)
+    folder = Path(cfg.run.output_dir) / zoom_folder_name(demo, frame)
+    if not (folder / "train.yaml").is_file():
+        make_zoom_demo_data(folder, frame, demo.train, demo.val, demo.seed, scenes_of(demo))
+    return load_data_yaml(folder / "train.yaml"), load_data_yaml(folder / "val.yaml")
 
 
 # beside the sampled files: the request (`data_request`) they were sampled for

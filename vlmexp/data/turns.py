@@ -18,6 +18,15 @@ Images are placed where TRL places them when content is text: every image at the
 turn (trl/data_utils.py `prepare_multimodal_messages`; TRL's own llava-instruct-mix conversion also drops the
 `<image>` tags, examples/datasets/llava_instruct_mix.py). So `<image>` tags and `{"type": "image"}` parts are
 counted, must match the record's images when there are any, and are removed from the text.
+
+Tool use after the last user turn (the answer took tool calls, e.g. a zoom whose crop comes back as an image):
+- TRL's layout (trl docs/source/dataset_formats.md, "Tool calling"): an assistant message with `tool_calls`
+  `[{"type": "function", "function": {"name", "arguments"}}]`, then `{"role": "tool", "content": ...}`;
+- ms-swift's agent layout (docs/source_en/Customization/Custom-dataset.md, "Agent format"): `{"role":
+  "tool_call", "content": "{\"name\": ..., \"arguments\": ...}"}` then `{"role": "tool_response", ...}`;
+- LLaMA-Factory's `function_call` / `observation` roles read as ms-swift's.
+Each call is rendered once, here, as the model writes it (`render_tool_call`); a tool turn keeps its text and
+counts its images, which follow the question's images in the record's `images`, in order.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from typing import Any
 
 IMAGE_TAG = "<image>"
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
-TOOL_ROLES = ("observation", "function_call", "function", "tool", "ipython")
+# tool roles -> call (the assistant calls a tool) or tool (the tool's answer)
+TOOL_ROLES = {"tool_call": "call", "function_call": "call", "tool": "tool", "tool_response": "tool",
+              "observation": "tool", "function": "tool", "ipython": "tool"}
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,8 @@ class Tags:
 
 @dataclass(frozen=True)
 class Turn:
-    role: str  # system | user | assistant
-    text: str  # image tags and parts removed
+    role: str  # system | user | assistant | call (an assistant's tool call) | tool (a tool's answer)
+    text: str  # image tags and parts removed; an assistant's calls rendered after its text
     images: int  # `<image>` tags or image parts in it
 
 
@@ -57,6 +68,9 @@ class Conversation:
     history: list[dict[str, str]]  # earlier turns, {role, content}, user and assistant alternating
     answer: str | None  # the assistant turn after the last user turn, when there is one
     image_tags: int  # `<image>` tags and image parts in all turns
+    # the assistant's and tools' turns between the last user turn and the answer, when it took tool calls:
+    # {role: assistant, content: text with its calls rendered} and {role: tool, content: text, images: n}
+    tool_turns: list[dict] = field(default_factory=list)
 
 
 def read_turns(value: Any, what: str, tags: Tags = Tags()) -> list[Turn]:
@@ -77,11 +91,60 @@ def read_turn(message: Any, what: str, tags: Tags = Tags()) -> Turn:
         raise ValueError(f"{what} needs {role_key!r} and {content_key!r} (a message is {{role, content}} or "
                          f"{{from, value}}), it has {sorted(message)}")
     raw_role = message[role_key]
-    role = tags.roles.get(raw_role) if isinstance(raw_role, str) else None
+    role = (tags.roles.get(raw_role) or TOOL_ROLES.get(raw_role)) if isinstance(raw_role, str) else None
     if role is None:
-        hint = (" (tool calls are not read: drop such turns or records)" if raw_role in TOOL_ROLES else "")
-        raise ValueError(f"{what} has role {raw_role!r}; known roles: {', '.join(sorted(tags.roles))}{hint}")
-    return Turn(role, *text_of(message[content_key], f"{what}.{content_key}"))
+        raise ValueError(f"{what} has role {raw_role!r}; known roles: "
+                         f"{', '.join(sorted({*tags.roles, *TOOL_ROLES}))}")
+    if role == "call":  # ms-swift: the content is the call's JSON
+        return Turn("call", render_tool_call(_call_of(message[content_key], f"{what}.{content_key}")), 0)
+    content = message[content_key]
+    text, images = ("", 0) if content is None and message.get("tool_calls") else text_of(
+        content, f"{what}.{content_key}")
+    if message.get("tool_calls") is not None:  # TRL: the assistant's calls beside its content
+        if role != "assistant":
+            raise ValueError(f"{what} has tool_calls but role {raw_role!r}; only an assistant calls tools")
+        calls = message["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            raise ValueError(f"{what}.tool_calls must be a non-empty list of {{type: function, function: "
+                             f"{{name, arguments}}}}, got {_kind(calls)}")
+        rendered = [render_tool_call(_call_of(c.get("function") if isinstance(c, dict) else c,
+                                              f"{what}.tool_calls[{i}].function"))
+                    for i, c in enumerate(calls)]
+        return Turn("call", "\n".join(t for t in (text, *rendered) if t), images)
+    return Turn(role, text, images)
+
+
+def render_tool_call(call: dict[str, Any]) -> str:
+    """A tool call as the model writes it: Qwen's
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, byte for byte as the chat template with
+    tools renders an assistant's `tool_calls` (vlmexp/families/qwen2_5_vl_tools.jinja, Qwen3-VL's own) and
+    TRL's Qwen response parser reads them back, so SFT teaches the form GRPO's rollouts parse."""
+    import json
+
+    return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': call['arguments']})}\n</tool_call>"
+
+
+def _call_of(value: Any, what: str) -> dict[str, Any]:
+    """{name, arguments (an object)} of a tool call written as an object or its JSON text; ValueError naming
+    `what` otherwise."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not a tool call's JSON ({e.msg}); write "
+                             '{"name": ..., "arguments": {...}}') from None
+    arguments = value.get("arguments") if isinstance(value, dict) else None
+    if isinstance(arguments, str):  # OpenAI's layout: the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what}.arguments is not JSON ({e.msg}); write an object of the call's "
+                             "arguments") from None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(arguments, dict)):
+        raise ValueError(f"{what} must be a tool call {{name: str, arguments: object}}, got {_kind(value)}")
+    return {"name": value["name"], "arguments": arguments}
 
 
 def answer_text(value: Any, what: str, tags: Tags = Tags()) -> str:
@@ -105,6 +168,7 @@ def conversation(turns: list[Turn], what: str) -> Conversation:
     order problem (optional system first, then user and assistant alternating, starting with user)."""
     system = turns[0].text if turns and turns[0].role == "system" else None
     rest = turns[1:] if system is not None else turns
+    rest, tool_turns = _tool_turns(rest, what, offset=len(turns) - len(rest))
     for i, turn in enumerate(rest):
         expected = "user" if i % 2 == 0 else "assistant"
         if turn.role != expected:
@@ -118,7 +182,51 @@ def conversation(turns: list[Turn], what: str) -> Conversation:
     if answer is not None and not answer.strip():
         raise ValueError(f"{what}: the last assistant turn is empty; give it the answer or drop it")
     history = [{"role": t.role, "content": t.text} for t in rest[:last_user]]
-    return Conversation(rest[last_user].text, system, history, answer, sum(t.images for t in turns))
+    return Conversation(rest[last_user].text, system, history, answer, sum(t.images for t in turns),
+                        tool_turns)
+
+
+def _tool_turns(turns: list[Turn], what: str, offset: int) -> tuple[list[Turn], list[dict]]:
+    """(the turns up to the last user turn plus the answer, the tool use between them). Tool use: calls (an
+    assistant turn's calls, or ms-swift's `tool_call` turns, merged with the assistant text before them) each
+    followed by the tools' answers; it must end in an answer without calls. ValueError names the turn."""
+    used = [i for i, t in enumerate(turns) if t.role in ("call", "tool")]
+    if not used:
+        return turns, []
+    last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
+    if used[0] < last_user:
+        raise ValueError(f"{what}: turn {used[0] + offset} is a tool turn before the last user turn; tool "
+                         "use is read only between the question and its answer")
+    steps: list[dict] = []
+    for i, turn in enumerate(turns[last_user + 1:-1], start=last_user + 1 + offset):
+        before = steps[-1] if steps else None
+        if turn.role == "tool":
+            if before is None or (before["role"] == "assistant" and not before.get("calls")):
+                raise ValueError(f"{what}: turn {i} is a tool's answer that follows no tool call; each tool "
+                                 "turn answers the call before it")
+            steps.append({"role": "tool", "content": turn.text, "images": turn.images})
+        elif turn.role in ("call", "assistant"):
+            if turn.images:
+                raise ValueError(f"{what}: turn {i} is an assistant turn with an image; images come with the "
+                                 "user's and the tools' turns")
+            if before is not None and before["role"] == "assistant":  # ms-swift: text, then its tool_call
+                before["content"] = "\n".join(t for t in (before["content"], turn.text) if t)
+                before["calls"] = before["calls"] or turn.role == "call"
+            else:
+                steps.append({"role": "assistant", "content": turn.text, "calls": turn.role == "call"})
+        else:
+            raise ValueError(f"{what}: turn {i} is {turn.role!r} inside tool use; after the last user turn "
+                             "come the assistant's calls, the tools' answers and the final answer")
+    final = turns[-1]
+    if final.role != "assistant" or (steps and steps[-1]["role"] == "assistant"):
+        raise ValueError(f"{what}: tool use must end in the assistant's answer after the last tool turn, got "
+                         f"a {final.role!r} turn last; add the answer or drop the record")
+    for step in steps:
+        if step["role"] == "assistant":
+            if not step.pop("calls"):
+                raise ValueError(f"{what}: an assistant turn inside tool use calls no tool; merge it with "
+                                 "the next one or drop it")
+    return [*turns[:last_user + 1], final], steps
 
 
 def text_of(content: Any, what: str) -> tuple[str, int]:

@@ -16,8 +16,9 @@ from vlmexp.config.schema import Config
 
 def sources_fingerprint(cfg: Config) -> str:
     """The digest of `cfg`'s data sources (train and held-out) as they are now."""
-    if cfg.data.demo is not None:
-        parts: list = [cfg.data.model_dump(mode="json"), cfg.run.seed]
+    if cfg.data.demo is not None or cfg.data.zoom_demo is not None:  # zoom demo: calls in the model's frame
+        parts: list = [cfg.data.model_dump(mode="json"), cfg.run.seed, cfg.model.family,
+                       cfg.model.image_knobs]
     else:
         from vlmexp.data.run_data import config_sources, data_request
         from vlmexp.data.sources import locate

@@ -4,18 +4,23 @@ SFT rows: conversational `prompt` / `completion` plus `images` (PIL); TRL's coll
 parts and computes the loss on the completion only. When a record holds earlier turns (a multi-turn
 conversation), every row is conversational language modeling instead, `messages` (the prompt's turns and the
 answer) plus `images`, and SFT trains with TRL's `assistant_only_loss`: the loss falls on every assistant turn
-and on nothing else (`require_assistant_masks`). GRPO rows: conversational `prompt` plus `images`;
+and on nothing else (`require_assistant_masks`). A record whose answer took tool calls (`tool_turns`) trains
+on its calls and its answer, never on the tool turns, whose images (a zoom's crop) the processor loads from
+their files: such rows keep `messages` as JSON text, turned into messages when the collator reads a row
+(`tool_messages`), since one Arrow type cannot hold both TRL's `{"type": "image"}` placeholders and image
+parts carrying their file. GRPO rows: conversational `prompt` plus the question's `images`;
 the record's `reward_columns` (the source's other fields, then solution, task, accu_reward_method,
 image_sizes, source_row, image_path) reach the reward functions as keyword columns.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from vlmexp.config.schema import DataConfig
-from vlmexp.data.record import read_sampled, reward_columns, source_column_names
+from vlmexp.data.record import SampledRecord, read_sampled, reward_columns, source_column_names
 from vlmexp.families import Family
 from vlmexp.prompts import build_prompt, load_images, target_text
 
@@ -27,16 +32,19 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
     from datasets import Dataset
 
     records = read_sampled(path)
-    multi_turn = stage == "sft" and any(r.history for r in records)
+    multi_turn = stage == "sft" and any(r.history or r.tool_turns for r in records)
+    tool_use = stage == "sft" and any(r.tool_turns for r in records)
     # every row gets every column: Dataset.from_list takes the first row's keys
     names = source_column_names(records)
     rows = []
     for record in records:
         row: dict[str, Any] = {"prompt": build_prompt(record, data, family),
-                               "images": load_images(record.images)}
+                               "images": load_images(record.question_images)}
         if stage == "sft":
             answer = [{"role": "assistant", "content": target_text(record, family, budget, target_template)}]
-            if multi_turn:
+            if tool_use:
+                row = {"messages": json.dumps(row.pop("prompt") + tool_messages(record) + answer), **row}
+            elif multi_turn:
                 row = {"messages": row.pop("prompt") + answer, **row}
             else:
                 row["completion"] = answer
@@ -45,7 +53,29 @@ def build_dataset(path: str | Path, data: DataConfig, family: Family, budget, st
         rows.append(row)
     if stage != "sft":  # SFT's rows hold no reward columns
         check_column_types(path, rows, names)
-    return Dataset.from_list(rows)
+    dataset = Dataset.from_list(rows)
+    return dataset.with_transform(_decode_messages) if tool_use else dataset
+
+
+def tool_messages(record: SampledRecord) -> list[dict[str, Any]]:
+    """The record's tool use as chat messages: the assistant's turns (its calls rendered in its text) and the
+    tool turns, each image part naming its file (the processor loads it; TRL fills only the placeholders of
+    other turns)."""
+    crops = iter(record.images[len(record.question_images):])
+    out: list[dict[str, Any]] = []
+    for turn in record.tool_turns:
+        if turn["role"] == "assistant":
+            out.append({"role": "assistant", "content": turn["content"]})
+        else:
+            parts = [{"type": "image", "image": next(crops)} for _ in range(turn.get("images", 0))]
+            text = [{"type": "text", "text": turn["content"]}] if turn["content"] else []
+            out.append({"role": "tool", "content": parts + text})
+    return out
+
+
+def _decode_messages(batch: dict[str, list]) -> dict[str, list]:
+    """A batch of rows with their `messages` JSON turned into messages (the dataset's transform)."""
+    return {**batch, "messages": [json.loads(m) for m in batch["messages"]]}
 
 
 def check_column_types(path: str | Path, rows: list[dict[str, Any]], names: list[str]) -> None:
@@ -104,7 +134,8 @@ def check_sequence_lengths(path: str | Path, data: DataConfig, family: Family, b
     for n, record in enumerate(read_sampled(path), start=1):
         image_tokens = sum(family.image_tokens(w, h, budget) for w, h in record.image_sizes)
         target = target_text(record, family, budget, target_template)
-        text = "".join(m["content"] for m in build_prompt(record, data, family)) + target
+        turns = [*build_prompt(record, data, family), *record.tool_turns]
+        text = "".join(m["content"] for m in turns) + target
         total = image_tokens + len(tokenizer(text)["input_ids"]) + 16  # + chat template and vision markers
         if total > max_length:
             problems.append(Problem(

@@ -78,7 +78,8 @@ def pairs_from_data(inputs: StageInputs) -> list[dict[str, Any]]:
                                     record.problem))
             continue
         out.append({"prompt": build_prompt(record, inputs.cfg.data, inputs.family),
-                    "image_paths": record.images, "chosen": record.target, "rejected": record.rejected})
+                    "image_paths": record.question_images, "chosen": record.target,
+                    "rejected": record.rejected})
     if problems:
         raise DataError(problems[:20], title=f"{len(problems)} records without a preference pair")
     return out
@@ -103,7 +104,7 @@ def sample_pairs(inputs: StageInputs, path: Path) -> dict[str, int]:
         texts, scores = groups[i]
         pair = best_vs_worst(texts, scores, opts.min_margin)
         if pair is not None:
-            pairs.append({"prompt": prompts[i], "image_paths": record.images, **pair,
+            pairs.append({"prompt": prompts[i], "image_paths": record.question_images, **pair,
                           "source": record.source, "source_row": record.source_row})
     summary = {"prompts": len(records), "pairs": len(pairs),
                "prompts_without_pair": len(records) - len(pairs), "num_samples": k,

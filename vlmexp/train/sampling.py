@@ -31,7 +31,7 @@ def sample_and_score(cfg: Config, model_path: str, family, budget, records: list
              for name, kwargs, _ in rewards]
     model, processor, _ = load_for_inference(cfg, model_path)
     prompts = [build_prompt(r, cfg.data, family) for r in records]
-    images = [load_images(r.images) for r in records]
+    images = [load_images(r.question_images) for r in records]
     generator = Generator.for_config(cfg, model, processor, family)
     completions = generator([p for p in prompts for _ in range(k)], [im for im in images for _ in range(k)],
                             max_new_tokens, temperature, batch_size)

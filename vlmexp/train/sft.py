@@ -15,6 +15,7 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
     from trl import SFTTrainer
 
+    from vlmexp.data.record import read_sampled
     from vlmexp.prompts import check_sft_targets
     from vlmexp.train.data import build_dataset, check_sequence_lengths, require_assistant_masks
 
@@ -25,6 +26,8 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
                            args.max_length, "sft.args.max_length", cfg.sft.target_template)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft",
                                   cfg.sft.target_template)
+    if any(r.tool_turns for r in read_sampled(inputs.train_path)):  # rendered as GRPO's rollouts render them
+        inputs.family.use_tools(inputs.processor)
     if "messages" in train_dataset.column_names:  # multi-turn records: the loss on every assistant turn
         require_assistant_masks(args, inputs.processor)
     model, peft_config = load_model(inputs)

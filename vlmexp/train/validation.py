@@ -112,7 +112,7 @@ def load_held_out(cfg: Config, val_path: Path, family, processor, budget) -> Hel
                              cfg.eval.math_grader, prompts)
 
     return HeldOut(records, prompts,
-                   [load_images(r.images) for r in records], family, score)
+                   [load_images(r.question_images) for r in records], family, score)
 
 
 class Validation(TrainerCallback):

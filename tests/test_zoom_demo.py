@@ -1,0 +1,102 @@
+"""The zoom demo's data (vlmexp.data.zoom_demo): the colour cannot be read at the model's budget and can in
+the zoom's crop; the demonstrations' calls are in the model's frame and their crops are the zoom tool's own;
+the data is sampled into tool-use records and is the same for a seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vlmexp.config.loader import load_config
+
+from vlmexp.data.record import read_sampled
+from vlmexp.data.run_data import prepare_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def zoom_run(tmp_path_factory):
+    """The demo config's data, generated and sampled small: (config, train records, val records)."""
+    out = tmp_path_factory.mktemp("zoom-demo")
+    cfg = load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={out}", "data.zoom_demo.train=24",
+                                                         "data.zoom_demo.val=8", "tracking.backend=none"])
+    prepared = prepare_data(cfg)
+    return cfg, read_sampled(prepared.train), read_sampled(prepared.val)
+
+
+def _interior(image, box, scale: float) -> np.ndarray:
+    """The mean colour inside the target's frame of `image` (`box` in original pixels, `scale` the
+    image's)."""
+    x1, y1, x2, y2 = (int(round(v * scale)) for v in box)
+    inset = max(1, int(round(3 * scale)))
+    return np.asarray(image, dtype=float)[y1 + inset:y2 - inset, x1 + inset:x2 - inset].reshape(-1, 3).mean(0)
+
+
+def _demodulated(image, box) -> np.ndarray:
+    """The colour the target's checkerboard writes (its even pixels), read at full resolution."""
+    x1, y1, x2, y2 = (int(v) for v in box)
+    inner = np.asarray(image, dtype=float)[y1 + 2:y2 - 2, x1 + 2:x2 - 2]
+    return inner[::2, ::2].reshape(-1, 3).mean(0)
+
+
+def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models):
+    from PIL import Image
+
+    from vlmexp.coords import from_frame
+    from vlmexp.data.zoom_demo import COLOURS, box_frame_of
+    from vlmexp.families import get_family
+    from vlmexp.processor import load_processor
+    from vlmexp.tools.zoom import crop_box
+
+    cfg, train, val = zoom_run
+    family = get_family("qwen2_5_vl")
+    processor = load_processor(tiny_models["qwen2_5_vl"], family, cfg.model.image_knobs)
+    budget = family.image_budget(processor)
+    frame = box_frame_of(cfg)
+    assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
+    processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
+    assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 448 px shrunk to 112: 16 vision tokens
+    colours = set()
+    for record in train:
+        assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
+        image, crop = (Image.open(p).convert("RGB") for p in record.images)
+        seen = image.resize((112, 112), Image.BICUBIC)  # as the processor shrinks it
+        grey = _interior(seen, record.box, 112 / image.width)
+        assert np.ptp(grey) < 8, (record.solution, grey)  # every colour the same grey at the budget
+        written = record.tool_turns[0]["content"].split("<tool_call>\n")[1]
+        call = json.loads(written.split("\n</tool_call>")[0])
+        assert call["name"] == "image_zoom_in_tool"
+        assert record.tool_turns[1] == {"role": "tool", "content": "", "images": 1}
+        cropped = crop_box(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget,
+                           28)
+        assert np.array_equal(np.asarray(crop), np.asarray(image.crop(tuple(cropped))))  # the tool's crop
+        loose = from_frame(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget)
+        assert loose[0] <= record.box[0] + 8 and loose[2] >= record.box[2] - 8  # around the target
+        shown = _demodulated(image, record.box)
+        assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1  # the zoom shows the colour
+        assert record.target.endswith(f"<answer>{record.solution}</answer>")
+        colours.add(record.solution)
+    assert colours == set(COLOURS)
+    assert [r.record_format for r in val] == ["vqa"] * 8 and all(r.tool_turns == [] for r in val)
+    assert all(len(r.images) == 1 and r.box is not None for r in val)
+
+
+def test_same_seed_same_data_another_frame_another_folder(zoom_run, tmp_path):
+    from vlmexp.data.zoom_demo import box_frame_of, make_zoom_demo_data, scenes_of, zoom_folder_name
+
+    cfg, _, _ = zoom_run
+    demo, frame = cfg.data.zoom_demo.model_copy(update={"train": 6, "val": 2}), box_frame_of(cfg)
+    a = make_zoom_demo_data(tmp_path / "a", frame, 6, 2, 0, scenes_of(demo))
+    b = make_zoom_demo_data(tmp_path / "b", frame, 6, 2, 0, scenes_of(demo))
+    assert (a / "train.jsonl").read_bytes() == (b / "train.jsonl").read_bytes()
+    crop = "images/train_00003_crop.png"
+    assert (a / crop).read_bytes() == (b / crop).read_bytes()
+    grid = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_pixels": 50176,
+                                                                         "min_pixels": 50176})})
+    assert zoom_folder_name(demo, box_frame_of(grid)) != zoom_folder_name(demo, frame)
+    no_family = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": None})})
+    with pytest.raises(ValueError, match="name model.family"):
+        box_frame_of(no_family)

@@ -1,0 +1,173 @@
+"""The embedded zoom dataset: questions whose answer needs a zoom ("thinking with images" on one CPU).
+
+Each square image, larger than the model's pixel budget, holds one small framed square on a background whose
+shade encodes x and y (as the grounding demo's, vlmexp.data.demo, so a tiny vision tower can see where things
+are). The square's colour is written as a one-pixel checkerboard of the colour and its complement: shrunk to
+the budget, every colour averages to the same grey, so the colour cannot be read from the whole image, while
+the crop of a zoom, shown at or above its own resolution, keeps the pattern. The black frame stays visible at
+the budget, so the model can see where to zoom.
+
+Training records are zoom-then-answer demonstrations in TRL's tool-calling layout: the question and the image,
+the assistant's `image_zoom_in_tool` call with a loose annotator's box (each edge pushed out by `loose` of the
+target's side, then moved by up to `jitter`), written in the family's box frame; the tool turn with the crop,
+made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. Every record carries the answer
+(`solution`) and the target's exact box (`bbox`, original pixels). Held-out records are V*-style
+{image, question, answer, bbox}. Deterministic for a seed and a frame.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vlmexp.files import new_folder
+
+# colours and their complements average to (127.5, 127.5, 127.5): no colour survives the shrink
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+QUESTION = "What colour is the small framed square?"
+FRAME = 2  # the target's black frame, pixels
+ZOOM_TOOL = "image_zoom_in_tool"
+
+
+@dataclass(frozen=True)
+class ZoomScenes:
+    """The images: their side, the target's side range (frame included), the annotator's looseness."""
+
+    side: int = 448
+    target: tuple[int, int] = (24, 32)
+    loose: float = 0.5
+    jitter: float = 0.15
+
+
+@dataclass(frozen=True)
+class BoxFrame:
+    """Where the demonstrations' calls write boxes: the family's frame and its pixel budget
+    (vlmexp.coords.to_frame), and the zoom tool's smallest crop side."""
+
+    frame: str
+    budget: Any
+    min_crop_side: int = 28
+
+
+def _background(side: int):
+    from vlmexp.data.demo import _gradient
+
+    return _gradient(side, side)
+
+
+def make_image(rng: random.Random, scenes: ZoomScenes):
+    """(image, colour name, the target's box in original pixels)."""
+    from PIL import Image
+
+    image = _background(scenes.side)
+    colour = rng.choice(list(COLOURS))
+    side = rng.randint(*scenes.target)
+    x1, y1 = rng.randint(2, scenes.side - side - 2), rng.randint(2, scenes.side - side - 2)
+    rgb = COLOURS[colour]
+    inner = side - 2 * FRAME
+    patch = Image.new("RGB", (inner, inner))
+    complement = tuple(255 - v for v in rgb)
+    patch.putdata([rgb if (i + j) % 2 == 0 else complement for j in range(inner) for i in range(inner)])
+    framed = Image.new("RGB", (side, side), (0, 0, 0))
+    framed.paste(patch, (FRAME, FRAME))
+    image.paste(framed, (x1, y1))
+    return image, colour, [x1, y1, x1 + side, y1 + side]
+
+
+def zoom_call(rng: random.Random, box: list[int], scenes: ZoomScenes, frame: BoxFrame) -> list[int]:
+    """The annotator's zoom box for the target's `box`, in the family's frame (integers, as models write)."""
+    from vlmexp.coords import to_frame
+
+    side = box[2] - box[0]
+    out = [scenes.loose + rng.uniform(-scenes.jitter, scenes.jitter) for _ in range(4)]
+    loose = [max(0.0, box[0] - out[0] * side), max(0.0, box[1] - out[1] * side),
+             min(float(scenes.side), box[2] + out[2] * side), min(float(scenes.side), box[3] + out[3] * side)]
+    shown = to_frame(loose, scenes.side, scenes.side, frame.frame, frame.budget)
+    return [int(round(v)) for v in shown]
+
+
+def crop_of(image, call: list[int], frame: BoxFrame):
+    """The crop the zoom tool returns for `call` (its own rule: vlmexp.tools.zoom.crop_box)."""
+    from vlmexp.tools.zoom import crop_box
+
+    box = crop_box(call, *image.size, frame.frame, frame.budget, frame.min_crop_side)
+    return image.crop(tuple(box))
+
+
+def demonstration(name: str, crop_name: str, colour: str, call: list[int], box: list[int]) -> dict[str, Any]:
+    """A training record: TRL's tool-calling conversation, the answer and the target's box."""
+    return {"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": "<think>The square is too small to see.</think>",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": ZOOM_TOOL, "arguments": {"bbox_2d": call}}}]},
+        {"role": "tool", "content": [{"type": "image"}]},
+        {"role": "assistant", "content": f"<think>The zoom shows it.</think><answer>{colour}</answer>"}],
+        "images": [name, crop_name], "solution": colour, "bbox": box}
+
+
+def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, val: int = 128, seed: int = 0,
+                        scenes: ZoomScenes = ZoomScenes()) -> Path:
+    """Write images/, train.jsonl, val.jsonl, train.yaml and val.yaml under `out_dir` (complete or absent)."""
+    if train <= 0 or val <= 0:
+        raise ValueError(f"train ({train}) and val ({val}) must be positive counts")
+    if scenes.target[1] + 4 > scenes.side:
+        raise ValueError(f"target side {scenes.target[1]} does not fit a {scenes.side}-pixel image")
+    out = Path(out_dir)
+    with new_folder(out) as tmp:
+        (tmp / "images").mkdir()
+        rng, noise = random.Random(seed), random.Random(f"zoom-annotator-{seed}")
+        for split, count in (("train", train), ("val", val)):
+            rows = []
+            for i in range(count):
+                image, colour, box = make_image(rng, scenes)
+                name = f"images/{split}_{i:05d}.png"
+                image.save(tmp / name)
+                if split == "val":
+                    rows.append({"image": name, "question": QUESTION, "answer": colour, "bbox": box})
+                    continue
+                call = zoom_call(noise, box, scenes, frame)
+                crop_name = f"images/{split}_{i:05d}_crop.png"
+                crop_of(image, call, frame).save(tmp / crop_name)
+                rows.append(demonstration(name, crop_name, colour, call, box))
+            (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            data_yaml = {"datasets": [{"json_path": f"{split}.jsonl", "sampling_strategy": "all",
+                                       "image_root": "."}]}
+            (tmp / f"{split}.yaml").write_text(
+                f"# Generated by vlmexp.data.zoom_demo (seed {seed}, boxes in the {frame.frame} frame). "
+                f"Sample it with:\n#   vlmexp sample {split}.yaml --out {split}.sampled.jsonl\n"
+                + yaml.safe_dump(data_yaml, sort_keys=False))
+    return out
+
+
+def zoom_folder_name(demo, frame: BoxFrame) -> str:
+    """Where under run.output_dir the zoom dataset is generated; any setting that changes it changes the
+    name."""
+    import hashlib
+
+    made = (demo.model_dump(mode="json"), frame.frame, repr(frame.budget), frame.min_crop_side)
+    digest = hashlib.sha256(json.dumps(made, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"zoom_demo_data-{demo.train}-{demo.val}-{demo.seed}-{digest}"
+
+
+def box_frame_of(cfg) -> BoxFrame:
+    """The frame the config's model reads boxes in, with the budget its processor uses: model.min_pixels /
+    max_pixels over the family's patch and merge sizes (`released_budget`, what the embedded model's
+    processor is built with)."""
+    from vlmexp.families import get_family
+
+    if cfg.model.family is None:
+        raise ValueError("data.zoom_demo writes its zoom calls in the model's box frame: name model.family "
+                         "(or use a tiny:<family> model)")
+    family = get_family(cfg.model.family)
+    knobs = {k: v for k, v in cfg.model.image_knobs.items() if v is not None}
+    return BoxFrame(family.box_frame, family.released_budget(knobs), cfg.grpo.tools.min_crop_side)
+
+
+def scenes_of(demo) -> ZoomScenes:
+    return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter)
