@@ -93,6 +93,15 @@ class Sender:
         self.wake, self.stopping, self.abandoned = threading.Event(), threading.Event(), threading.Event()
         self.deadline = float("inf")
         self.senders: dict[Path, RunSender] = {}
+        # what the thread imports, imported here first: two threads importing mlflow at once can each find
+        # the other's half-initialised modules (ImportError "partially initialized module 'mlflow.tracking'")
+        import mlflow.entities  # noqa: F401
+        import mlflow.tracking  # noqa: F401
+        import pandas  # noqa: F401
+        import PIL.Image  # noqa: F401
+
+        import vlmexp.tracking.logged_models  # noqa: F401
+
         self.thread = threading.Thread(target=self.loop, name="vlmexp-mlflow-sender", daemon=True)
         self.thread.start()
 

@@ -223,10 +223,10 @@ def open_stage_run(cfg: Config, stage: str, run_id: str | None) -> StageRun:
         uri, run_id = tracker.uri, tracker.start_pipeline(f"{cfg.run.name}-{stage}", {},
                                                           run_tags({"stage": stage}))
     system_metrics = start_system_metrics(cfg)
+    from vlmexp.tracking.system_metrics import sample_system_metrics  # before the run's sender thread starts
+
     run = MlflowStageRun(uri, run_id, Path(cfg.run.output_dir) / stage, f"{cfg.run.name}-{stage}")
     if system_metrics:
-        from vlmexp.tracking.system_metrics import sample_system_metrics
-
         run.monitor = sample_system_metrics(run, cfg.tracking.system_metrics_seconds)
     log.info("logging to MLflow run %s in %s%s", run_id, uri, " with system metrics" * system_metrics)
     return run
