@@ -170,6 +170,26 @@ def test_asking_more_than_the_cluster_has_is_refused_before_any_work(cluster, tm
     assert rc == 0, err
 
 
+@pytest.mark.slow
+def test_an_output_folder_a_node_cannot_see_is_refused_naming_the_node_and_the_path(cluster, tmp_path,
+                                                                                    vlmexp_main):
+    """A third node whose view of the output folder is an empty tmpfs (its own mount namespace): `vlmexp
+    validate` names that node and the marker's path; the two nodes that see the folder are not named."""
+    hidden = tmp_path / "shared"
+    (hidden / "out").mkdir(parents=True)  # it exists here (else the stage checks it, not validate)
+    cluster.start_blind_node(hidden)
+    try:
+        rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={hidden / 'out'}", *on_ray(cluster.gcs))
+    finally:
+        cluster.kill_node("c")
+    assert rc == 2, err
+    [said] = re.findall(r"node (\w+) \(\S+\) does not see (\S+), which the driver wrote into run.output_dir",
+                        err)
+    assert said[1].startswith(str(hidden / "out" / ".vlmexp-ray-marker-")), err
+    assert "mount the same shared folder at the same path on every node" in err, err
+    assert not list((hidden / "out").glob(".vlmexp-ray-marker-*"))  # the marker removed
+
+
 def test_dry_run_prints_the_driver_and_what_it_submits(vlmexp_main):
     rc, out, err = vlmexp_main("train", "grpo", "--config", DEMO, "--dry-run", "launch.deepspeed=x.json",
                                *on_ray("ray://head:10001", gpus_per_worker=1, max_failures=2,

@@ -34,8 +34,8 @@ from vlmexp.config.schema import Config, RayLaunchConfig
 # seconds a stopped run's actors and placement groups have to leave the cluster (the pipeline kills a stage's
 # driver STOP_GRACE = 15 s after passing a stop on)
 LEFTOVER_WAIT = 12.0
-# Ray Train's one actor per cluster, shared by every Train run (detached, named AutoscalingCoordinator, created
-# by the first run on the cluster and reused by the later ones): the cluster's, not a run's
+# Ray Train's one actor per cluster, shared by every Train run (detached, named AutoscalingCoordinator,
+# created by the first run on the cluster and reused by the later ones): the cluster's, not a run's
 CLUSTER_SERVICES = ("_AutoscalingCoordinatorActor",)
 
 
