@@ -4,10 +4,10 @@ the step time and the time from the command's start to the end of the first step
 
     python bench/ray_vs_torchrun.py OUT_DIR [--steps 10] [--runs 1]
 
-Step time: the Trainer's `train_runtime` over the steps (its own clock, from the first step's start).
-Time to the first step: from the command's start to checkpoint-1's trainer_state.json (saved after step 1, the
-same save under both launchers). Prints one line per run and launcher. Results: bench/RESULTS.md, "Ray
-against torchrun".
+Every step saves its checkpoint (weights only, the same save under both launchers). Step time: from
+checkpoint-1's trainer_state.json to the last checkpoint's, over the steps between. Time to the first step:
+from the command's start to checkpoint-1's trainer_state.json. Prints one line per run and launcher.
+Results: bench/RESULTS.md, "Ray against torchrun".
 """
 
 from __future__ import annotations
@@ -45,10 +45,8 @@ def one_run(name: str, out: Path, steps: int, address: str, model: str) -> tuple
                         *GRPO, *launch(name, address)], cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{name}: the stage failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    first = (out / "grpo" / "checkpoint-1" / "trainer_state.json").stat().st_mtime - start
-    final = json.loads((out / "grpo" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
-    runtime = next(e["train_runtime"] for e in final["log_history"] if "train_runtime" in e)
-    return runtime / steps, first
+    saved = [(out / "grpo" / f"checkpoint-{n}" / "trainer_state.json").stat().st_mtime for n in (1, steps)]
+    return (saved[1] - saved[0]) / (steps - 1), saved[0] - start
 
 
 def main() -> None:
@@ -69,7 +67,6 @@ def main() -> None:
                 times[name] = one_run(name, out / f"{name}{i}", args.steps, cluster.client, str(model))
                 print(f"run {i + 1} {name}: {times[name][0]:.3f} s a step, first step done "
                       f"{times[name][1]:.1f} s after the start", flush=True)
-            step, first = (times["ray"][k] / times["torchrun"][k] for k in (0, 1))
             print(f"run {i + 1}: ray / torchrun step time {times['ray'][0] / times['torchrun'][0]:.3f}; "
                   f"first step {times['ray'][1] - times['torchrun'][1]:+.1f} s", flush=True)
 

@@ -50,13 +50,20 @@ class RayTestCluster:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def _start(self, name: str, args: list[str]) -> None:
+    def _start(self, name: str, args: list[str], wrapper: tuple[str, ...] = (), cpus: int = 1) -> None:
         before = set(psutil.pids())
         env = {**os.environ, **GRPC_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
-        subprocess.run([str(BIN / "ray"), "start", *args, "--node-ip-address=127.0.0.1", "--num-cpus=1",
-                        "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
+        # the ports Ray would otherwise take at fixed defaults (the dashboard agent's 52365), which another
+        # cluster on the machine may hold
+        ports = [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
+        r = subprocess.run([*wrapper, str(BIN / "ray"), "start", *args, *ports, "--node-ip-address=127.0.0.1",
+                            f"--num-cpus={cpus}", "--disable-usage-stats"], env=env, capture_output=True,
+                           text=True, timeout=120)
         time.sleep(2)  # the node's daemons (dashboard agent, runtime env agent) start after `ray start`
         self.pids[name] = {p.pid for p in self._ours(set(psutil.pids()) - before)}
+        if r.returncode != 0:  # what it started before failing ends with it
+            self.kill_node(name)
+            raise RuntimeError(f"ray start {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
 
     def _ours(self, pids: set[int]) -> list[psutil.Process]:
         """Of the processes `pids`, those of this cluster: run from this venv or naming its temp folder, or
@@ -88,6 +95,14 @@ class RayTestCluster:
         # one shared folder, both would send every worker line twice)
         self._start("b", [f"--address={self.gcs}", "--resources={\"node_b\": 1}", f"--temp-dir={self.temp}b"])
 
+    def start_blind_node(self, hidden: Path) -> None:
+        """Node c: no CPU (no worker is placed there), in a mount namespace of its own where an empty tmpfs
+        covers `hidden`, so it does not see what the other nodes see in that folder (a node without the
+        shared mount). Needs root (mount)."""
+        cover = f'mount -t tmpfs none "{hidden}" && exec "$0" "$@"'
+        self._start("c", [f"--address={self.gcs}", "--resources={\"node_c\": 1}", f"--temp-dir={self.temp}c"],
+                    ("unshare", "--mount", "--propagation", "private", "sh", "-c", cover), cpus=0)
+
     def kill_node(self, name: str) -> None:
         """End every process node `name` started (SIGKILL: a node lost, not shut down)."""
         procs = []
@@ -110,7 +125,7 @@ class RayTestCluster:
         return found
 
     def stop(self) -> None:
-        for name in ("b", "a"):
+        for name in ("c", "b", "a"):
             self.kill_node(name)
 
 
