@@ -194,3 +194,24 @@ def test_sft_on_tool_use_trains_the_calls_and_answer_and_feeds_the_crops(layouts
         crop_part["image"] = str(other)
         swapped = model(**collator([row])).loss
     assert Path(crop).is_file() and torch.isfinite(loss) and loss != swapped
+
+
+def test_a_truncation_saved_with_a_checkpoint_is_not_applied_by_later_stages(tiny_models, tmp_path):
+    """TRL's SFT collator truncates through the fast tokenizer, which saves that state with the checkpoint;
+    loaded again, it cut GRPO's prompt (the tools block made it longer than sft.args.max_length) and its image
+    tokens. The processor vlmexp loads tokenizes in full."""
+    import shutil
+
+    from vlmexp.families import get_family
+    from vlmexp.processor import load_processor
+
+    folder = tmp_path / "saved"
+    shutil.copytree(tiny_models["qwen2_5_vl"], folder)
+    family = get_family("qwen2_5_vl")
+    processor = load_processor(folder, family)
+    processor.tokenizer("x " * 100, truncation=True, max_length=16)  # as the SFT collator calls it
+    processor.save_pretrained(folder)
+    assert json.loads((folder / "tokenizer.json").read_text())["truncation"]["max_length"] == 16
+    again = load_processor(folder, family)
+    assert len(again.tokenizer("x " * 100)["input_ids"]) > 16
+    assert len(again(text=["x " * 100])["input_ids"][0]) > 16

@@ -34,7 +34,22 @@ def load_processor(model_path: str | Path, family: Family, knobs: dict[str, int 
     else:
         processor = family.images_only_processor().from_pretrained(str(model_path))
     family.set_image_budget(processor, given)
+    _no_saved_truncation(processor)
     return processor
+
+
+def _no_saved_truncation(processor) -> None:
+    """Drop a truncation the checkpoint's tokenizer.json carries. TRL's SFT collator truncates to
+    sft.args.max_length through the fast tokenizer, which saves that state with the checkpoint; a later stage
+    loading it would cut every longer text, silently: GRPO's prompt with the tools block (longer than SFT's
+    max_length) lost its image tokens from the left. vlmexp checks lengths itself (train/data.py) and each
+    stage asks for truncation where it wants it."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is not None:
+        backend.no_truncation()
+        for key in ("max_length", "truncation_strategy", "stride"):  # the defaults it gave every call
+            tokenizer.init_kwargs.pop(key, None)
 
 
 def prefills_think(processor, tag: str = "think") -> bool:

@@ -135,7 +135,7 @@ REWARD_COLUMNS = ("solution", "task", "accu_reward_method", "image_sizes", "sour
                   "bbox")
 OWN_COLUMNS = {
     "solution": "the answer rewards grade", "task": "the task that scores the answer",
-    "accu_reward_method": "how the answer is scored", "image_sizes": "the images' [width, height]",
+    "accu_reward_method": "how the answer is scored", "image_sizes": "the question's images' [width, height]",
     "source_row": "the record's row in its source", "image_path": "the first image's path",
     "bbox": "the target's box in original pixels, or None",
     "prompt": "GRPO's prompt column", "image": "GRPO's image column", "images": "GRPO's images column",
@@ -181,7 +181,8 @@ def reward_columns(record: SampledRecord, names: Sequence[str] = ()) -> dict[str
     box."""
     return {**{name: None for name in names}, **source_columns(record),
             "solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
-            "task": record.task, "accu_reward_method": record.method, "image_sizes": record.image_sizes,
+            "task": record.task, "accu_reward_method": record.method,
+            "image_sizes": record.image_sizes[:len(record.question_images)],
             "source_row": record.source_row, "image_path": record.images[0] if record.images else "",
             "bbox": record.box}
 
