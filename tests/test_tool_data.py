@@ -131,8 +131,8 @@ def test_sft_on_tool_use_trains_the_calls_and_answer_and_feeds_the_crops(layouts
     from trl.chat_template_utils import get_training_chat_template
     from trl.data_utils import prepare_multimodal_messages
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
-    from vlmexp.config.loader import load_config
 
+    from vlmexp.checks.loader import load_config
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
     from vlmexp.train.data import build_dataset

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import write_jsonl
-from vlmexp.config.loader import load_config
+
+from vlmexp.checks.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # zoom_script

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vlmexp.config.loader import load_config
 
+from vlmexp.checks.loader import load_config
 from vlmexp.data.record import read_sampled
 from vlmexp.data.run_data import prepare_data
 

@@ -109,7 +109,7 @@ def check_sections(cfg: Config) -> list[Found]:
 
 def check_tools(cfg: Config) -> list[Found]:
     """GRPO's tools against the model family (when the config names it; a local checkpoint's family is
-    checked by `vlmexp.config.path_checks`) and evaluation with the tool against the tools offered."""
+    checked by `vlmexp.checks.config_paths`) and evaluation with the tool against the tools offered."""
     from vlmexp.families import FAMILIES
 
     out: list[Found] = []
