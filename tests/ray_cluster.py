@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -66,8 +67,9 @@ class RayTestCluster:
             raise RuntimeError(f"ray start {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
 
     def _ours(self, pids: set[int]) -> list[psutil.Process]:
-        """Of the processes `pids`, those of this cluster: run from this venv or naming its temp folder, or
-        a renamed Ray daemon (ray::...) whose parent is one of them; not what others started meanwhile."""
+        """Of the processes `pids`, those of this cluster: naming its temp folders (each node's daemons) or
+        its GCS port (the Ray Client server), or a renamed Ray daemon (ray::...) whose parent is one of them;
+        not what others started meanwhile (another cluster from the same venv included)."""
         procs = {}
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -75,7 +77,7 @@ class RayTestCluster:
         def named(p: psutil.Process) -> bool:
             with contextlib.suppress(psutil.Error):
                 line = " ".join(p.cmdline())
-                return sys.prefix in line or str(self.temp) in line
+                return str(self.temp) in line or f":{self.port} " in line + " "
             return False
         ours = {pid for pid, p in procs.items() if named(p)}
         for pid, p in procs.items():
@@ -127,6 +129,8 @@ class RayTestCluster:
     def stop(self) -> None:
         for name in ("c", "b", "a"):
             self.kill_node(name)
+        for suffix in ("", "b", "c"):  # the nodes' temp folders (logs, sockets) go with them
+            shutil.rmtree(f"{self.temp}{suffix}", ignore_errors=True)
 
 
 @contextlib.contextmanager
