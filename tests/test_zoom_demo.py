@@ -100,3 +100,37 @@ def test_same_seed_same_data_another_frame_another_folder(zoom_run, tmp_path):
     no_family = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": None})})
     with pytest.raises(ValueError, match="name model.family"):
         box_frame_of(no_family)
+
+
+@pytest.mark.slow
+def test_the_zoom_demo_config_runs_sft_grpo_with_the_tool_and_both_evaluations(zoom_run, tiny_models):
+    """The demo's recipe at a few records: SFT on the tool-use demonstrations, GRPO from it with the zoom tool
+    (its prompt, the tools block included, longer than sft.args.max_length), evaluation with and without the
+    tool; each training stage changes the weights."""
+    from safetensors.torch import load_file
+
+    from vlmexp.evaluate import evaluate
+    from vlmexp.train.grpo import run_grpo
+    from vlmexp.train.sft import run_sft
+
+    cfg, _, _ = zoom_run
+    cfg = load_config(REPO / "configs/demo_zoom.yaml", [
+        f"run.output_dir={cfg.run.output_dir}", "data.zoom_demo.train=24", "data.zoom_demo.val=8",
+        "tracking.backend=none", f"model.path={tiny_models['qwen2_5_vl']}", "model.family=qwen2_5_vl",
+        "sft.args.max_steps=2",
+        "sft.args.per_device_train_batch_size=4", "grpo.args.max_steps=1",
+        "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
+        "grpo.args.max_completion_length=96", "grpo.args.warmup_steps=0", "eval.max_new_tokens=64",
+        "eval.max_samples=4",
+        # a reward with spread (the untrained model's answers all score 0 on accuracy: no gradient)
+        "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}, {name: exact, weight: 1.0}]"])
+    base = load_file(tiny_models["qwen2_5_vl"] / "model.safetensors")
+    sft = run_sft(cfg)
+    grpo = run_grpo(cfg, str(sft))
+    after_sft, after_grpo = (load_file(p / "model.safetensors") for p in (sft, grpo))
+    assert any(not (base[k] == after_sft[k]).all() for k in base), "SFT changed no parameter"
+    assert any(not (after_sft[k] == after_grpo[k]).all() for k in base), "GRPO changed no parameter"
+    result = evaluate(cfg, str(grpo), Path(cfg.run.output_dir) / "data" / "val.jsonl",
+                      Path(cfg.run.output_dir) / "eval")
+    assert result.metrics["count"] == 4
+    assert {"exact_accuracy", "tool_exact_accuracy", "tool_zooms_per_answer"} <= set(result.metrics)
