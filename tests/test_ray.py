@@ -242,8 +242,8 @@ def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_h
     stage's flow run on the `gpu` pool submits GRPO to the cluster, its log has the workers' lines with their
     ranks and nodes, and the pipeline completes with GRPO's MLflow run tagged with the cluster's two nodes."""
     from mlflow.tracking import MlflowClient
-    from prefect_server import BIN, create_pools_and_deploy, prefect_server
-    from test_stage_deployments import _flow_runs, _wait_for_pipeline_run
+    from prefect_server import create_pools_and_deploy, prefect_server
+    from test_stage_deployments import _flow_runs
 
     out = tmp_path / "run"
     params = {"config": "configs/demo.yaml", "overrides": [
@@ -252,11 +252,7 @@ def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_h
     with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)
         server.worker("gpu", query_seconds=3)
-        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
-                                  "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
-                                 env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
-                                 stderr=subprocess.STDOUT)
-        _wait_for_pipeline_run(server.url, watch)
+        watch = server.run_pipeline(params, tmp_path / "watch.log")
         server.worker("cpu", "--run-once")
         assert watch.wait(1600) == 0, (tmp_path / "watch.log").read_text()[-3000:]
         runs, logs = _flow_runs(server.url)

@@ -13,14 +13,13 @@ which the pipeline sends seven stage runs, asks every few seconds."""
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from conftest import SMALL_BATCHES
-from prefect_server import BIN, REPO, create_pools_and_deploy, prefect_server
+from prefect_server import create_pools_and_deploy, prefect_server
 
 pytestmark = pytest.mark.slow
 # the kill comes at checkpoint-2 and the retried run trains steps 3 and 4 (its last, and checkpoint-4): the
@@ -46,21 +45,6 @@ def _kill_stage_run(worker: subprocess.Popen, checkpoint: Path, watch: subproces
             p.kill()
     psutil.wait_procs(procs, timeout=30)
     return commands
-
-
-def _wait_for_pipeline_run(url: str, watch: subprocess.Popen, seconds: float = 300) -> None:
-    """Until `prefect deployment run` has created the pipeline's run (a `--run-once` worker started before
-    that would find nothing to submit)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    deadline = time.monotonic() + seconds
-    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
-        while not client.read_flow_runs(deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=["manual"]))):
-            assert watch.poll() is None and time.monotonic() < deadline, "the pipeline's run was not created"
-            time.sleep(0.5)
 
 
 def _flow_runs(url: str) -> tuple[list, dict[str, str]]:
@@ -117,11 +101,7 @@ def test_deployments_run_on_their_pools_the_schedule_creates_runs_and_a_killed_s
     with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)
         gpu = server.worker("gpu", query_seconds=3)
-        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
-                                  "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
-                                 env=server.env, cwd=REPO, stdout=open(tmp_path / "watch.log", "w"),
-                                 stderr=subprocess.STDOUT)
-        _wait_for_pipeline_run(server.url, watch)
+        watch = server.run_pipeline(params, tmp_path / "watch.log")
         server.worker("cpu", "--run-once")
         killed = _kill_stage_run(gpu, out / "grpo" / f"checkpoint-{SAVE_STEPS}", watch)
         assert watch.wait(1600) == 0 and "Completed" in (tmp_path / "watch.log").read_text(), \
