@@ -97,27 +97,40 @@ class MlflowStageRun(StageRun):
     enabled = True
 
     def __init__(self, uri: str, run_id: str, stage_dir: Path, name: str):
-        self.uri, self.run_id = uri, run_id
-        self.spool = Spool(stage_dir / SPOOL_DIR / run_id, uri)
+        self.uri, self.run_id, self.stage_dir, self.name = uri, run_id, stage_dir, name
+        self.spool_folder = stage_dir / SPOOL_DIR / run_id
+        self.spool: Spool | None = None  # made at the first write: a stage refused before any work has none
         self.sender = Sender(stage_dir / SPOOL_DIR)  # first sends what an earlier process left unsent
         self.monitor, self.closed = None, False
-        self.record("the run's start", lambda: {"t": "open", "name": name})
         atexit.register(self.send_at_exit)
+
+    def open_spool(self) -> Spool:
+        """The run's spool, made at the first write with the run's start as its first record; a stage folder
+        that does not exist yet is made and marked as vlmexp's (vlmexp.files), as the stage marks it."""
+        if not self.stage_dir.exists():
+            from vlmexp.files import mark_folder
+
+            self.stage_dir.mkdir(parents=True)
+            mark_folder(self.stage_dir, f"{self.stage_dir.name} stage")
+        spool = Spool(self.spool_folder, self.uri)
+        spool.append({"t": "open", "name": self.name})
+        return spool
 
     def send_at_exit(self) -> None:
         """A process that ends before `close` (a refusal after the run opened, say the difficulty filter's)
         gives the sender a few seconds for what it logged; the rest waits on disk."""
         if not self.closed and (left := self.sender.finish(CLOSE_SECONDS["FAILED"])):
             log.warning("%d MLflow records stay in %s for the next start of this stage", left,
-                        self.spool.folder)
+                        self.spool_folder)
 
     def record(self, what: str, make) -> None:
         """Append the record `make()` builds (copying its files into the spool) and wake the sender."""
         try:
+            self.spool = self.spool or self.open_spool()
             self.spool.append(make())
         except Exception as e:  # noqa: BLE001 - a write that cannot be kept must not end a training run
             log.warning("%s not logged to MLflow: it could not be kept in %s (%s); training goes on", what,
-                        self.spool.folder, short(e))
+                        self.spool_folder, short(e))
             return
         self.sender.poke()
 
@@ -167,6 +180,7 @@ class MlflowStageRun(StageRun):
                                                               "key": key, "step": step, "ts": now_ms()})
 
     def save_image(self, image: Any) -> str:
+        self.spool = self.spool or self.open_spool()
         path = self.spool.new_file("image.png")
         image.save(path)
         return str(path.relative_to(self.spool.folder))
@@ -178,12 +192,12 @@ class MlflowStageRun(StageRun):
 
     def last_logged_step(self) -> int:
         """The highest training step in the spool, or in the store where it answers (0 when none)."""
-        spooled = RunSender(self.spool.folder).last_step()
+        spooled = RunSender(self.spool_folder).last_step()
         try:
             stored = last_logged_step(self.uri, self.run_id)
         except Exception as e:  # noqa: BLE001 - the spool holds every step this stage ever logged
             log.warning("MLflow store does not answer (%s); the steps already logged are read from %s",
-                        short(e), self.spool.folder)
+                        short(e), self.spool_folder)
             stored = 0
         return max(spooled, stored, 0)
 
@@ -195,13 +209,14 @@ class MlflowStageRun(StageRun):
         if self.monitor is not None:
             self.monitor.finish()
         self.record(f"the run's end ({status})", lambda: {"t": "end", "status": status, "ts": now_ms()})
-        self.spool.close()
+        if self.spool is not None:
+            self.spool.close()
         seconds = CLOSE_SECONDS.get(status, 5.0)
         left = self.sender.finish(seconds)
         if left:
             log.warning("training ended %s, but the MLflow store did not take %d records within %.0f s: they "
                         "stay in %s and are sent by the next start of this stage or the pipeline's next step",
-                        status, left, seconds, self.spool.folder)
+                        status, left, seconds, self.spool_folder)
 
 
 def plain_value(value: Any) -> Any:

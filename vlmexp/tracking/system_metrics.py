@@ -37,7 +37,7 @@ class SpooledMonitor(SystemMetricsMonitor):
 
     def __init__(self, run, seconds: float):
         super().__init__(run.run_id, sampling_interval=seconds, tracking_uri=run.uri)
-        self._logging_step = RunSender(run.spool.folder).last_step(system=True) + 1  # a resumed run goes on
+        self._logging_step = RunSender(run.spool_folder).last_step(system=True) + 1  # a resumed run goes on
         self.mlflow_logger: Any = SpooledSamples(run)
 
     def monitor(self) -> None:

@@ -85,12 +85,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     stage_dir = Path(cfg.run.output_dir) / stage
     warn_if_short(cfg.run.output_dir, model_path, getattr(cfg, stage).peft is None)
     resume_from = last_checkpoint(stage_dir) if getattr(cfg, stage).resume else None
-    if state.is_main_process and not (stage_dir / KEY_FILE).is_file() and not made_by_vlmexp(stage_dir):
-        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here before anything
-        # is written into it (the run's spool first), so a re-run after a crash may resume in it; the config
-        # check refused a folder of the user's before any work
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        mark_folder(stage_dir, f"{stage} stage")
     run = open_stage_run(cfg, stage, mlflow_run_id) if state.is_main_process else NullStageRun()
     return StageInputs(cfg, stage, stage_dir, model_path, family, processor, family.image_budget(processor),
                        data.train, resume_from, run, data.val)
@@ -177,6 +171,12 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     final/."""
     log.info("%s on %d rows from %s (resume: %s)", inputs.stage, rows, inputs.model_path, inputs.resume_from)
     run = inputs.run
+    if (trainer.args.should_save and not (inputs.stage_dir / KEY_FILE).is_file()
+            and not made_by_vlmexp(inputs.stage_dir)):
+        # `vlmexp train` by hand (the pipeline's stages carry its key): marked as made here, so a re-run after
+        # a crash may resume in it; the config check refused a folder of the user's before any work
+        inputs.stage_dir.mkdir(parents=True, exist_ok=True)
+        mark_folder(inputs.stage_dir, f"{inputs.stage} stage")
     from vlmexp.train.validation import add_validation, write_summary
 
     # eval.every_steps; refuses what it cannot run before any step
