@@ -106,8 +106,9 @@ def _alive(pid: int) -> bool:
 class Hold:
     """A held folder: its heartbeat thread runs until `release`."""
 
-    def __init__(self, folder: Path, holder: Holder):
+    def __init__(self, folder: Path, holder: Holder, made_folder: bool = False):
         self.folder, self.holder, self.path = folder, holder, folder / HOLD_NAME
+        self.made_folder = made_folder  # the folder did not exist: left empty, it goes with the hold
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="vlmexp-hold-heartbeat", daemon=True)
         self._thread.start()
@@ -129,12 +130,15 @@ class Hold:
                 log.warning("could not renew the hold on %s: %s", self.folder, e)
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the holder file, if it is still this run's."""
+        """Stop the heartbeat and remove the holder file, if it is still this run's; and the folder, if the
+        hold made it and the run wrote nothing there (a run refused on its config)."""
         self._stop.set()
         self._thread.join(timeout=HEARTBEAT_SECONDS)
         current = read_holder(self.folder)
         if current is not None and current.run_id == self.run_id:
             self.path.unlink(missing_ok=True)
+            if self.made_folder and not any(self.folder.iterdir()):
+                self.folder.rmdir()
 
 
 def _write(path: Path, holder: Holder, replace: bool) -> None:
@@ -157,6 +161,7 @@ def acquire(folder: str | Path, what: str, run_id: str | None = None, on_busy: s
     """Hold `folder` for run `run_id` (a new id when None), or FolderBusy naming the holder: at once
     (`on_busy` refuse) or after `wait_seconds` (wait). A stale holder is taken over, with a warning."""
     folder = Path(folder).expanduser().resolve()
+    made_folder = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path, run_id = folder / HOLD_NAME, run_id or new_run_id()
     deadline = time.monotonic() + (wait_seconds if on_busy == "wait" else 0.0)
@@ -165,7 +170,7 @@ def acquire(folder: str | Path, what: str, run_id: str | None = None, on_busy: s
         mine = Holder(socket.gethostname(), os.getpid(), run_id, what, now, now)
         try:
             _write(path, mine, replace=False)
-            return Hold(folder, mine)
+            return Hold(folder, mine, made_folder)
         except FileExistsError:
             pass
         holder = read_holder(folder)
