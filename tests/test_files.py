@@ -59,3 +59,22 @@ def test_new_folder_never_replaces_a_folder_vlmexp_did_not_make(tmp_path):
             raise AssertionError("the block must not run")  # refused before any work
     assert (user / "todo.txt").read_text() == "keep" and (user / "notes" / "a.md").read_text() == "keep too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary left
+
+
+def test_a_full_disk_names_the_file_the_save_was_writing_not_the_spool_written_after_it(tmp_path):
+    """The stage's MLflow spool goes on appending after a save failed on a full disk: the file a full disk is
+    said to have cut is the newest file outside it (the half-written checkpoint's)."""
+    import os
+    import time
+
+    from vlmexp.disk import WRITTEN_ALL_ALONG, being_written
+    from vlmexp.tracking.spool import SPOOL_DIR
+
+    assert SPOOL_DIR in WRITTEN_ALL_ALONG
+    weights = tmp_path / "grpo" / "checkpoint-8" / "optimizer.pt"
+    records = tmp_path / "grpo" / SPOOL_DIR / "run" / "records.jsonl"
+    for path in (weights, records):
+        path.parent.mkdir(parents=True)
+        path.write_text("x")
+    os.utime(weights, (time.time() - 5, time.time() - 5))  # the spool written after the failed save
+    assert being_written(RuntimeError("unexpected pos 1279616 vs 1279508"), tmp_path) == str(weights)

@@ -27,6 +27,8 @@ FULL_TEXTS = ("no space left on device", "os error 28", "database or disk is ful
 WRITE_TEXTS = ("iostream error", "file write failed", "write failed")  # said by torch when the disk fills
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DATABASE_SUFFIXES = (".db", ".db-journal", ".db-wal", ".db-shm")
+# folders written all along, whatever failed: the stage's MLflow spool (vlmexp.tracking.spool.SPOOL_DIR)
+WRITTEN_ALL_ALONG = ("mlflow_spool",)
 ADAMW_BYTES = 8  # AdamW's two moments, float32, per trained parameter
 
 
@@ -94,7 +96,8 @@ def is_disk_full(error: BaseException, folder: str | Path, need: int | None = No
 
 def being_written(error: BaseException, folder: Path) -> str:
     """The file a full disk cut: the error's own; an sqlite store's database; else the newest file under
-    `folder` (a store's database left out: MLflow writes it all along)."""
+    `folder` (a store's database and the stage's MLflow spool left out: they are written all along, also
+    after the save that failed)."""
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.filename:
@@ -102,7 +105,8 @@ def being_written(error: BaseException, folder: Path) -> str:
         if "database or disk is full" in str(seen):
             return "the MLflow store's sqlite database"
         seen = seen.__cause__ or seen.__context__
-    files = [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(DATABASE_SUFFIXES)]
+    files = [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(DATABASE_SUFFIXES)
+             and not set(p.relative_to(folder).parts) & set(WRITTEN_ALL_ALONG)]
     return str(max(files, key=lambda p: p.stat().st_mtime)) if files else f"a file under {folder}"
 
 
