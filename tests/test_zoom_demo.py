@@ -58,7 +58,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     frame = box_frame_of(cfg)
     assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
     processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
-    assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 448 px shrunk to 112: 16 vision tokens
+    assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 224 px shrunk to 112: 16 vision tokens
     colours = set()
     for record in train:
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
