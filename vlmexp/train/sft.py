@@ -13,6 +13,13 @@ from vlmexp.train.stage import load_model, prepare_stage, train_and_save, trl_ar
 
 def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None) -> Path:
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
+    trainer, inputs, rows = build_sft_trainer(cfg, callbacks, mlflow_run_id)
+    return train_and_save(trainer, inputs, rows)
+
+
+def build_sft_trainer(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None):
+    """(trainer, stage inputs, training rows): the SFTTrainer `run_sft` trains. Apart so a test can read the
+    batches its collator renders."""
     from trl import SFTTrainer
 
     from vlmexp.data.record import read_sampled
@@ -39,7 +46,7 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
                          callbacks=list(callbacks))
     if tools:  # TRL's vision collator renders no tools block: the prompts would differ from GRPO's
         trainer.data_collator.processor = ToolsShown(trainer.data_collator.processor, tools)
-    return train_and_save(trainer, inputs, len(train_dataset))
+    return trainer, inputs, len(train_dataset)
 
 
 class ToolsShown:
