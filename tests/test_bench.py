@@ -252,20 +252,27 @@ def test_demo_matrix_bench_writes_a_cell_per_arithmetic_and_the_readme_table(tmp
     assert bad.returncode != 0 and "no cell JSON" in bad.stderr
 
 
-def test_readme_demo_table_is_the_recorded_matrix():
-    """The README's demo table is generated from bench/results/demo_matrix/*.json and claims what they
-    show."""
+def _recorded_cells(markers_name: str, folder: Path) -> list[dict]:
+    """The cells in `folder`, after checking that the README's table between bench/demo_matrix.py's markers
+    (`markers_name`: MARKERS or ZOOM_MARKERS) is the table it makes of them."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("demo_matrix", REPO / "bench" / "demo_matrix.py")
     matrix = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(matrix)
-    folder = REPO / "bench" / "results" / "demo_matrix"
+    markers = getattr(matrix, markers_name)
     readme = (REPO / "README.md").read_text()
-    start, end = (readme.index(m) for m in matrix.MARKERS)
-    assert readme[start + len(matrix.MARKERS[0]):end].strip() == matrix.table(folder).strip(), (
-        "README demo table is stale: run .venv/bin/python bench/demo_matrix.py --table --readme README.md")
-    cells = [json.loads(p.read_text()) for p in folder.glob("seed*.json")]
+    start, end = (readme.index(m) for m in markers)
+    assert readme[start + len(markers[0]):end].strip() == matrix.table(folder).strip(), (
+        f"README table between {markers[0]} and {markers[1]} is stale: run .venv/bin/python "
+        f"bench/demo_matrix.py --table --out-dir {folder.relative_to(REPO)} --readme README.md")
+    return [json.loads(p.read_text()) for p in folder.glob("seed*.json")]
+
+
+def test_readme_demo_table_is_the_recorded_matrix():
+    """The README's demo table is generated from bench/results/demo_matrix/*.json and claims what they
+    show."""
+    cells = _recorded_cells("MARKERS", REPO / "bench" / "results" / "demo_matrix")
     assert ({c["seed"] for c in cells} >= {42, 7, 1}
             and {c["arithmetic"] for c in cells} >= {"default", "avx2"})
     for c in cells:  # the README's claim, cell by cell: GRPO >= +0.03 and 3 paired SE, DPO >= 2 paired SE

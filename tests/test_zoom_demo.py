@@ -58,7 +58,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     frame = box_frame_of(cfg)
     assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
     processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
-    assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 448 px shrunk to 112: 16 vision tokens
+    assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 224 px shrunk to 112: 16 vision tokens
     colours = set()
     for record in train:
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
@@ -104,14 +104,15 @@ def test_same_seed_same_data_another_frame_another_folder(zoom_run, tmp_path):
 
 @pytest.mark.slow
 def test_the_zoom_demo_config_runs_sft_grpo_with_the_tool_and_both_evaluations(zoom_run, tiny_models):
-    """The demo's recipe at a few records: SFT on the tool-use demonstrations, GRPO from it with the zoom tool
-    (its prompt, the tools block included, longer than sft.args.max_length), evaluation with and without the
-    tool; each training stage changes the weights."""
+    """The demo's recipe at a few records: SFT on the tool-use demonstrations (their prompts open with the
+    tools block GRPO's prompts show), GRPO from it with the zoom tool, evaluation with and without the tool;
+    each training stage changes the weights."""
     from safetensors.torch import load_file
 
     from vlmexp.evaluate import evaluate
     from vlmexp.train.grpo import run_grpo
-    from vlmexp.train.sft import run_sft
+    from vlmexp.train.sft import build_sft_trainer
+    from vlmexp.train.stage import train_and_save
 
     cfg, _, _ = zoom_run
     cfg = load_config(REPO / "configs/demo_zoom.yaml", [
@@ -125,7 +126,11 @@ def test_the_zoom_demo_config_runs_sft_grpo_with_the_tool_and_both_evaluations(z
         # a reward with spread (the untrained model's answers all score 0 on accuracy: no gradient)
         "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}, {name: exact, weight: 1.0}]"])
     base = load_file(tiny_models["qwen2_5_vl"] / "model.safetensors")
-    sft = run_sft(cfg)
+    trainer, inputs, rows = build_sft_trainer(cfg)
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    system = inputs.processor.tokenizer.decode(batch["input_ids"][0]).split("<|im_start|>user")[0]
+    assert "<tools>" in system and '"name": "image_zoom_in_tool"' in system, system  # as GRPO's prompts
+    sft = train_and_save(trainer, inputs, rows)
     grpo = run_grpo(cfg, str(sft))
     after_sft, after_grpo = (load_file(p / "model.safetensors") for p in (sft, grpo))
     assert any(not (base[k] == after_sft[k]).all() for k in base), "SFT changed no parameter"

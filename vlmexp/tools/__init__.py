@@ -19,6 +19,13 @@ def environment_factory(tools: ToolsConfig, family, budget):
     return zoom_environment_factory(family.box_frame, budget, tools.min_crop_side)  # names == ["zoom"]
 
 
+def offered_tools(tools: ToolsConfig, family, budget) -> list:
+    """The tools GRPO's rollouts and evaluation show the model (the chat template's tools block): [] when
+    grpo.tools offers none."""
+    factory = environment_factory(tools, family, budget)
+    return tool_methods(factory()) if factory is not None else []
+
+
 def zoom_replay(tools: ToolsConfig, family, budget):
     """(completion, width, height) -> the completion's zoom boxes in original pixels; None without
     tools."""

@@ -13,10 +13,18 @@ from vlmexp.train.stage import load_model, prepare_stage, train_and_save, trl_ar
 
 def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None) -> Path:
     """Train with trl.SFTTrainer; return the folder holding the final model (or adapter) and processor."""
+    trainer, inputs, rows = build_sft_trainer(cfg, callbacks, mlflow_run_id)
+    return train_and_save(trainer, inputs, rows)
+
+
+def build_sft_trainer(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | None = None):
+    """(trainer, stage inputs, training rows): the SFTTrainer `run_sft` trains. Apart so a test can read the
+    batches its collator renders."""
     from trl import SFTTrainer
 
     from vlmexp.data.record import read_sampled
     from vlmexp.prompts import check_sft_targets
+    from vlmexp.tools import offered_tools
     from vlmexp.train.data import build_dataset, check_sequence_lengths, require_assistant_masks
 
     inputs = prepare_stage(cfg, "sft", mlflow_run_id=mlflow_run_id)
@@ -26,12 +34,31 @@ def run_sft(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id: str | Non
                            args.max_length, "sft.args.max_length", cfg.sft.target_template)
     train_dataset = build_dataset(inputs.train_path, cfg.data, inputs.family, inputs.budget, "sft",
                                   cfg.sft.target_template)
+    tools: list = []
     if any(r.tool_turns for r in read_sampled(inputs.train_path)):  # rendered as GRPO's rollouts render them
         inputs.family.use_tools(inputs.processor)
+        tools = offered_tools(cfg.grpo.tools, inputs.family, inputs.budget)
     if "messages" in train_dataset.column_names:  # multi-turn records: the loss on every assistant turn
         require_assistant_masks(args, inputs.processor)
     model, peft_config = load_model(inputs)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
                          processing_class=inputs.processor, peft_config=peft_config,
                          callbacks=list(callbacks))
-    return train_and_save(trainer, inputs, len(train_dataset))
+    if tools:  # TRL's vision collator renders no tools block: the prompts would differ from GRPO's
+        trainer.data_collator.processor = ToolsShown(trainer.data_collator.processor, tools)
+    return trainer, inputs, len(train_dataset)
+
+
+class ToolsShown:
+    """A processor whose chat template is always given `tools`, so SFT's tool demonstrations open with the
+    tools block that GRPO's rollouts and evaluation with the tool show (TRL 1.16's
+    DataCollatorForVisionLanguageModeling passes no tools)."""
+
+    def __init__(self, processor: Any, tools: list):
+        self._processor, self._tools = processor, tools
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._processor, name)
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self._processor.apply_chat_template(conversation, tools=self._tools, **kwargs)
