@@ -140,6 +140,26 @@ def test_grpo_zooms_through_trls_tool_loop_and_the_loss_sees_the_crop(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_step_whose_calls_return_no_image_trains_on(tmp_path, tiny_models):
+    """A GRPO step in which every tool call is refused (boxes outside the image, malformed calls), so no turn
+    returns a crop: TRL's tool loop then reads the prompts' image fields, which vlmexp gives it as tensors
+    (TRL 1.16 merges them as lists there and failed: "'list' object has no attribute 'prod'")."""
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+
+    records = write_records(tmp_path / "data", ["outside", "malformed"])
+    cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records, "grpo.args.max_steps=1",
+                   "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
+                   "grpo.args.gradient_accumulation_steps=1")
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    train_and_save(trainer, inputs, rows)
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert trainer.state.global_step == 1
+    assert (logs["zoom/outside"], logs["zoom/malformed"], logs["zoom/zoomed_share"]) == (2, 4, 0)
+
+
+@pytest.mark.slow
 def test_a_resumed_zoom_run_goes_on_with_the_tool_and_its_tables_show_the_zooms(tmp_path, tiny_models,
                                                                                 mlflow_store):
     """Step 1 saves a checkpoint and stops; a second run resumes there and zooms again at step 2. Each step's

@@ -139,6 +139,10 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
             "breaks the pairing (vlmexp/train/grpo_pairing.py explains the one fixed for trl 1.16)")
 
 
+# image fields of a batch, flattened over the images (not per token)
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+
+
 class GuardedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with the pairing guard; training itself is TRL's, unchanged.
 
@@ -153,6 +157,18 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.family, self.budget, self.guard_seconds = family, budget, 0.0
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         self.image_token_id = tokenizer.convert_tokens_to_ids(family.image_token)
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's, with the image fields as tensors. With environments (grpo.tools) TRL 1.16 renders each
+        prompt apart without `return_tensors` and merges `pixel_values` and `image_grid_thw` as lists; its
+        tool loop then reads `image_grid_thw.prod(-1)` where a turn called a tool that returned no image (a
+        malformed call, a box outside the image) and fails ("'list' object has no attribute 'prod'"). As
+        tensors, they are what the batched call without environments gives."""
+        prompt_ids, images, fields = super()._tokenize_prompts(prompts)
+        for key in IMAGE_FIELDS:
+            if isinstance(fields.get(key), list):
+                fields[key] = torch.as_tensor(fields[key])
+        return prompt_ids, images, fields
 
     def _generate_and_score_completions(self, inputs):
         # the record's image, solution, task and sizes as completion-table columns (TRL's log_extra, flushed
