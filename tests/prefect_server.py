@@ -91,13 +91,14 @@ class Server:
         return self._start(f"worker-{pool}", ["worker", "start", "--pool", pool, *args],
                            {**self.env, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds)})
 
-    def run_pipeline(self, params: dict, log: Path) -> subprocess.Popen:
-        """`prefect deployment run vlm-pipeline/manual --watch` with `params` (its output in `log`), once the
-        server has created the pipeline's run."""
-        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "vlm-pipeline/manual",
+    def run_pipeline(self, params: dict, log: Path, deployment: str = "manual") -> subprocess.Popen:
+        """`prefect deployment run vlm-pipeline/<deployment> --watch` with `params` (its output in `log`),
+        once the server has created the pipeline's run."""
+        name = f"vlm-pipeline/{deployment}"
+        watch = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", name,
                                   "--params", json.dumps(params), "--watch", "--watch-timeout", "1500"],
                                  env=self.env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        wait_for_pipeline_run(self.url, watch)
+        wait_for_pipeline_run(self.url, watch, deployment=deployment)
         return watch
 
     def close(self) -> None:
@@ -138,7 +139,8 @@ def create_pools_and_deploy(server: Server) -> None:
     server.cli("--no-prompt", "deploy", "--all")
 
 
-def wait_for_pipeline_run(url: str, watch: subprocess.Popen, seconds: float = 300) -> None:
+def wait_for_pipeline_run(url: str, watch: subprocess.Popen, seconds: float = 300,
+                          deployment: str = "manual") -> None:
     """Until `prefect deployment run` has created the pipeline's run (a `--run-once` worker started before
     that would find nothing to submit)."""
     from prefect.client.orchestration import get_client
@@ -148,6 +150,6 @@ def wait_for_pipeline_run(url: str, watch: subprocess.Popen, seconds: float = 30
     deadline = time.monotonic() + seconds
     with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
         while not client.read_flow_runs(deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=["manual"]))):
+                name=DeploymentFilterName(any_=[deployment]))):
             assert watch.poll() is None and time.monotonic() < deadline, "the pipeline's run was not created"
             time.sleep(0.5)

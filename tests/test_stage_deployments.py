@@ -13,6 +13,7 @@ which the pipeline sends seven stage runs, asks every few seconds."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -135,3 +136,24 @@ def test_deployments_run_on_their_pools_the_schedule_creates_runs_and_a_killed_s
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert steps == list(range(1, MAX_STEPS + 1)), (key, steps)  # each step once, across the kill
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_scheduled_retrain_on_a_folder_a_manual_run_holds_fails_at_once_naming_it(tmp_path, prefect_home):
+    """The scheduled retrain deployment, run while another run (here this test process) holds the output
+    folder: its flow run fails at once, naming the holder, and nothing is written in the folder."""
+    from vlmexp.pipeline.hold import holding
+
+    out = tmp_path / "run"
+    out.mkdir()
+    params = {"config": "configs/demo.yaml", "overrides": [f"run.output_dir={out}"], "force": False}
+    with holding(out, "vlmexp run (a manual run)") as hold, prefect_server(tmp_path, prefect_home) as server:
+        create_pools_and_deploy(server)
+        watch = server.run_pipeline(params, tmp_path / "watch.log", deployment="scheduled-retrain")
+        server.worker("cpu")  # not --run-once: the scheduler's own runs of the deployment are next Monday's
+        assert watch.wait(600) != 0
+        runs, _ = _flow_runs(server.url)
+        text = "\n".join(str(r.state.message) for _, r, _ in runs) + (tmp_path / "watch.log").read_text()
+        holder = f"held by vlmexp run (a manual run) {hold.run_id} (process {os.getpid()} on "
+        assert holder in text, text[-3000:]
+        assert "one run at a time writes an output folder" in text, text[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [], list(out.iterdir())  # the hold released, nothing else
