@@ -9,6 +9,14 @@ def char_variety(prompts, completions, **kwargs):
     return [len(set(completion_text(c))) / 20 for c in completions]
 
 
+def one_second_a_call(prompts=None, completions=(), **kwargs):
+    """Scores 0 after sleeping one second: a run paced so that it lasts a known time on any machine."""
+    import time
+
+    time.sleep(1.0)
+    return [0.0 for _ in completions]
+
+
 def fail_once(prompts=None, completions=(), **kwargs):
     """Raises on its second call in the first process that finds no marker file (a stage that fails once)."""
     import os

@@ -254,7 +254,8 @@ def _step_seconds(history, start: float, end: float) -> list[float]:
 def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a_metric(tmp_path):
     """A real MLflow server, SIGKILLed once GRPO has written checkpoint-4 and started again on the same
     port and store once checkpoint-12 is written and at least 12 s have passed, six times the client's retry
-    budget (about 2 s here): the steps during the outage take about as long as those before it, the stage
+    budget (about 2 s here), while a reward that sleeps a second a step makes the run outlast the outage on
+    any machine: the steps during the outage take about as long as those before it, the stage
     ends 0, and afterwards every step of every metric, the completion tables and validation images logged
     during the outage, and the system metric samples are in the run, each once and in order."""
     import statistics
@@ -284,6 +285,8 @@ def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a
                                   "configs/demo.yaml", "--mlflow-run-id", run_id,
                                   f"tracking.tracking_uri={uri}", f"run.output_dir={tmp_path}", *GRPO[:3],
                                   f"grpo.args.max_steps={OUTAGE_STEPS}", "grpo.args.save_steps=4", *GRPO[5:],
+                                  "grpo.rewards=[{name: 'rewards_for_tests:char_variety'}, "
+                                  "{name: 'rewards_for_tests:one_second_a_call'}]",
                                   "tracking.completions_every=3", "tracking.system_metrics_seconds=0.5",
                                   "eval.every_steps=10", "eval.during_training_samples=2",
                                   "eval.during_training_pictures=1", "eval.max_new_tokens=8"],
@@ -309,14 +312,18 @@ def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a
             send_spooled(tmp_path / "grpo")
         client = MlflowClient(uri)
         loss = client.get_metric_history(run_id, "loss")
+        assert max(m.timestamp for m in loss) / 1000 > back, "training ended before the outage did"
         before, during = _step_seconds(loss, 0, down), _step_seconds(loss, down, back)
         assert len(during) >= 6 and len(before) >= 2, (before, during)
         assert statistics.median(during) <= 2 * statistics.median(before), (before, during)
         for key in ("loss", "reward", "Summary/reward", "rewards/rewards_for_tests:char_variety/mean"):
             steps = [m.step for m in client.get_metric_history(run_id, key)]
             assert steps == list(range(1, OUTAGE_STEPS + 1)), (key, steps)
-        system = [m.step for m in client.get_metric_history(run_id, "system/cpu_utilization_percentage")]
-        assert system == list(range(len(system))) and len(system) > (back - down) / 0.5 / 2, system
+        samples = sorted(client.get_metric_history(run_id, "system/cpu_utilization_percentage"),
+                         key=lambda m: m.step)
+        assert [m.step for m in samples] == list(range(len(samples))), [m.step for m in samples]
+        sampled = [m.timestamp / 1000 - down for m in samples if down <= m.timestamp / 1000 <= back]
+        assert len(sampled) > (back - down) / 0.5 / 2, (back - down, sampled)  # sampled all along
         in_outage = [m.step for m in loss if down <= m.timestamp / 1000 <= back]
         tables = {a.path for a in client.list_artifacts(run_id, "completions")}
         assert {f"completions/step_{s:06d}.json" for s in in_outage if s % 3 == 0} <= tables, (
