@@ -36,10 +36,12 @@ def _interior(image, box, scale: float) -> np.ndarray:
 
 
 def _demodulated(image, box) -> np.ndarray:
-    """The colour the target's checkerboard writes (its even pixels), read at full resolution."""
+    """The colour the target's checkerboard writes (its pixels where x + y is even, in the image's
+    coordinates), read at full resolution."""
     x1, y1, x2, y2 = (int(v) for v in box)
-    inner = np.asarray(image, dtype=float)[y1 + 2:y2 - 2, x1 + 2:x2 - 2]
-    return inner[::2, ::2].reshape(-1, 3).mean(0)
+    pixels = np.asarray(image, dtype=float)
+    inner = [pixels[y, x] for y in range(y1 + 2, y2 - 2) for x in range(x1 + 2, x2 - 2) if (x + y) % 2 == 0]
+    return np.mean(inner, axis=0)
 
 
 def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models):
@@ -73,8 +75,11 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         cropped = crop_box(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget,
                            28)
         assert np.array_equal(np.asarray(crop), np.asarray(image.crop(tuple(cropped))))  # the tool's crop
-        loose = from_frame(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget)
-        assert loose[0] <= record.box[0] + 8 and loose[2] >= record.box[2] - 8  # around the target
+        window = from_frame(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget)
+        assert [round(v) for v in window] == cropped  # a half-image window on the grid: the crop itself
+        assert cropped[2] - cropped[0] == cropped[3] - cropped[1] == 112 and {*cropped} <= {0, 56, 112, 168, 224}
+        assert cropped[0] <= record.box[0] and cropped[1] <= record.box[1]  # the whole target inside
+        assert cropped[2] >= record.box[2] and cropped[3] >= record.box[3]
         shown = _demodulated(image, record.box)
         assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1  # the zoom shows the colour
         assert record.target.endswith(f"<answer>{record.solution}</answer>")

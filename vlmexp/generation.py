@@ -283,32 +283,57 @@ class Generator:
         completion is the messages after the prompt (assistant turns, each parsed by the tokenizer's response
         parser, and tool turns), TRL's form. A turn that calls a tool runs it in the prompt's environment
         (`environments`, one per prompt) and the next turn sees the result; at most `max_turns` calls are
-        run, and the turn after the last ends the completion. `max_new_tokens` bounds each turn."""
+        run, and the turn after the last ends the completion. `max_new_tokens` bounds each turn.
+
+        As in TRL's loop, the next turn's prompt is the text so far, the turn as generated and the tool turns
+        (`tool_suffix`), never a re-rendering of the parsed turn: the parser moves a turn's <think> into
+        `reasoning_content`, which a chat template may not write back, and the model would meet a history it
+        did not write."""
         from trl.chat_template_utils import parse_response
 
         from vlmexp.tools import run_tool_calls, tool_methods
 
         tools = tool_methods(environments[0]) if environments else []
+        tokenizer = self.processor.tokenizer
         done: list[list[dict]] = [[] for _ in prompts]
         seen = [list(imgs) for imgs in images]  # each conversation's images so far: the record's, the crops
+        texts = [self.processor.apply_chat_template(with_image_parts(p, len(imgs)), tools=tools, tokenize=False,
+                                                    add_generation_prompt=True)
+                 for p, imgs in zip(prompts, images, strict=True)]
         active = list(range(len(prompts)))
         for turn in range(max_turns + 1):
-            texts = [self.processor.apply_chat_template(
-                with_image_parts(prompts[i], len(images[i])) + done[i], tools=tools, tokenize=False,
-                add_generation_prompt=True) for i in active]
-            ids = self.generate_ids(texts, [seen[i] for i in active], max_new_tokens, temperature, batch_size)
+            ids = self.generate_ids([texts[i] for i in active], [seen[i] for i in active], max_new_tokens,
+                                    temperature, batch_size)
             calling = []
             for i, (prompt_ids, new) in zip(active, ids, strict=True):
-                message = parse_response(self.processor.tokenizer, new, prefix=prompt_ids, tools=tools)
+                message = parse_response(tokenizer, new, prefix=prompt_ids, tools=tools)
                 done[i].append(message)
                 if message.get("tool_calls") and turn < max_turns:
                     results = run_tool_calls(environments[i], message["tool_calls"])
                     done[i] += results
                     seen[i] += [p["image"] for m in results if isinstance(m["content"], list)
                                 for p in m["content"] if p.get("type") == "image"]
+                    texts[i] += tokenizer.decode(new) + self.tool_suffix(results, tools)
                     calling.append(i)
             active = calling
             if not active:
                 break
         return done
+
+    def tool_suffix(self, tool_messages: list[dict], tools: list) -> str:
+        """What follows a turn's end token for its tool turns, up to the next assistant turn's header: TRL's
+        `_get_tool_suffix_ids` as text (the template renders a one-call conversation with and without the
+        tool turns; the difference after the end token)."""
+        call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        before = self.processor.apply_chat_template(dummy, tools=tools, tokenize=False)
+        after = self.processor.apply_chat_template(dummy + tool_messages, tools=tools, tokenize=False,
+                                                   add_generation_prompt=True)
+        end = self.processor.tokenizer.eos_token
+        if end and end in before:  # templates that write "<|im_end|>\n": cut at the end token, as TRL does
+            before = before[: before.rindex(end) + len(end)]
+        if not after.startswith(before):
+            raise ValueError("the chat template renders a conversation's tool turns by changing what comes "
+                             "before them; the tool loop cannot append them")
+        return after[len(before):]
 

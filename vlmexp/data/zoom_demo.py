@@ -2,14 +2,16 @@
 
 Each square image, larger than the model's pixel budget, holds one small framed square on a background whose
 shade encodes x and y (as the grounding demo's, vlmexp.data.demo, so a tiny vision tower can see where things
-are). The square's colour is written as a one-pixel checkerboard of the colour and its complement: shrunk to
+are). The square's colour is written as a one-pixel checkerboard of the colour and its complement, in the
+image's own phase (the colour where x + y is even): shrunk to
 the budget, every colour averages to the same grey, so the colour cannot be read from the whole image, while
 the crop of a zoom, shown at or above its own resolution, keeps the pattern. The black frame stays visible at
 the budget, so the model can see where to zoom.
 
 Training records are zoom-then-answer demonstrations in TRL's tool-calling layout: the question and the image,
 the assistant's `image_zoom_in_tool` call with a loose annotator's box (each edge pushed out by `loose` of the
-target's side, then moved by up to `jitter`), written in the family's box frame; the tool turn with the crop,
+target's side, then moved by up to `jitter`; or the window of a coarse grid nearest the target, `window`),
+written in the family's box frame; the tool turn with the crop,
 made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. Every record carries the answer
 (`solution`) and the target's exact box (`bbox`, original pixels). Held-out records are V*-style
 {image, question, answer, bbox}. Deterministic for a seed and a frame.
@@ -42,6 +44,7 @@ class ZoomScenes:
     target: tuple[int, int] = (24, 32)
     loose: float = 0.5
     jitter: float = 0.15
+    window: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,11 @@ def make_image(rng: random.Random, scenes: ZoomScenes):
     inner = side - 2 * FRAME
     patch = Image.new("RGB", (inner, inner))
     complement = tuple(255 - v for v in rgb)
-    patch.putdata([rgb if (i + j) % 2 == 0 else complement for j in range(inner) for i in range(inner)])
+    # the checkerboard's phase is the image's (colour where x + y is even): a crop that starts on an even pixel,
+    # as the demonstrations' windows do, shows every colour in one phase, so a patch reads it one way
+    left, top = x1 + FRAME, y1 + FRAME
+    patch.putdata([rgb if (left + i + top + j) % 2 == 0 else complement for j in range(inner)
+                   for i in range(inner)])
     framed = Image.new("RGB", (side, side), (0, 0, 0))
     framed.paste(patch, (FRAME, FRAME))
     image.paste(framed, (x1, y1))
@@ -80,15 +87,34 @@ def make_image(rng: random.Random, scenes: ZoomScenes):
 
 
 def zoom_call(rng: random.Random, box: list[int], scenes: ZoomScenes, frame: BoxFrame) -> list[int]:
-    """The annotator's zoom box for the target's `box`, in the family's frame (integers, as models write)."""
+    """The annotator's zoom box for the target's `box`, in the family's frame (integers, as models write):
+    the window nearest the target (`scenes.window`), or the loose box around it."""
     from vlmexp.coords import to_frame
 
-    side = box[2] - box[0]
-    out = [scenes.loose + rng.uniform(-scenes.jitter, scenes.jitter) for _ in range(4)]
-    loose = [max(0.0, box[0] - out[0] * side), max(0.0, box[1] - out[1] * side),
-             min(float(scenes.side), box[2] + out[2] * side), min(float(scenes.side), box[3] + out[3] * side)]
-    shown = to_frame(loose, scenes.side, scenes.side, frame.frame, frame.budget)
+    if scenes.window:
+        zoom = window_box(box, scenes.side, scenes.window)
+    else:
+        side = box[2] - box[0]
+        out = [scenes.loose + rng.uniform(-scenes.jitter, scenes.jitter) for _ in range(4)]
+        zoom = [max(0.0, box[0] - out[0] * side), max(0.0, box[1] - out[1] * side),
+                min(float(scenes.side), box[2] + out[2] * side),
+                min(float(scenes.side), box[3] + out[3] * side)]
+    shown = to_frame(zoom, scenes.side, scenes.side, frame.frame, frame.budget)
     return [int(round(v)) for v in shown]
+
+
+def window_box(box: list[int], side: int, share: float) -> list[float]:
+    """Of the square windows of `share` x `side` whose corners lie on a grid half a window apart (the last
+    one flush with the image's edge), the one whose centre is nearest the centre of `box`."""
+    width = round(share * side)
+    step = max(1, width // 2)
+    starts = sorted({*range(0, side - width + 1, step), side - width})
+
+    def nearest(centre: float) -> int:
+        return min(starts, key=lambda s: abs(s + width / 2 - centre))
+
+    x, y = nearest((box[0] + box[2]) / 2), nearest((box[1] + box[3]) / 2)
+    return [float(x), float(y), float(x + width), float(y + width)]
 
 
 def crop_of(image, call: list[int], frame: BoxFrame):
@@ -170,4 +196,5 @@ def box_frame_of(cfg) -> BoxFrame:
 
 
 def scenes_of(demo) -> ZoomScenes:
-    return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter)
+    return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter,
+                      demo.annotator_window)
