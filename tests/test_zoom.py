@@ -65,7 +65,7 @@ def scripted(trainer_model, processor, family, budget):
 
     box = frame_box(family, budget)
     script = ScriptedTurns(processor.tokenizer, {
-        "zoom": [call(box), "<answer>red</answer>"],
+        "zoom": ["<think>Too small to see.</think>\n" + call(box), "<answer>red</answer>"],
         "outside": [call([5000, 5000, 6000, 6000]), "<answer>red</answer>"],
         "malformed": ['<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2]}}\n'
                       '</tool_call>', "<tool_call>{oops</tool_call>"],
@@ -221,6 +221,7 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
                                                                                mlflow_store):
     """Evaluation with the tool (Generator.converse, the records' own environments): the final answers are
     scored, zooms per answer and the share that zoomed counted, each record's zoom boxes written and drawn,
+    each turn's prompt holds the turns before it as written,
     and the pipeline's evaluation run carries the tables and pictures (read back through MlflowClient);
     without the tool the same model answers in one turn."""
     from PIL import Image
@@ -246,7 +247,13 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     plain = generator(prompts, [load_images(r.images) for r in records], 120, 0.0, 8)
     assert all("<tool_call>" in text for text in plain)  # without the tool: the call is the answer
 
+    prompted: list[str] = []  # each turn's prompt, through the real generate
+    generate_ids = generator.generate_ids
+    generator.generate_ids = lambda texts, *rest: prompted.extend(texts) or generate_ids(texts, *rest)
     metrics = evaluate_with_tools(cfg, records, prompts, generator, tmp_path / "eval")
+    # the next turn sees the turn as the model wrote it (its <think> included), then the tool's turn
+    assert any("<|im_start|>assistant\n<think>Too small to see.</think>\n<tool_call>" in t
+               and t.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n") for t in prompted), prompted
 
     # zoom: one zoom, right; outside: refused, then right; forever: two zooms, then a call not run
     assert metrics["tool_exact_accuracy"] == pytest.approx(2 / 3)
