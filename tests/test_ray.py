@@ -161,10 +161,11 @@ def test_a_lost_node_resumes_and_each_stop_signal_leaves_nothing_on_the_cluster(
     users send it, each after a newer checkpoint: Ctrl-C to the run's process group, SIGTERM to its main
     process alone (`kill PID`, a scheduler), SIGHUP to the group (a closed terminal). Each exits 128 + the
     signal within 30 s, leaves nothing of the Ray run on the cluster, and the same command again resumes from
-    the newest checkpoint; the last completes, every MLflow step logged once."""
+    the newest checkpoint; the last completes, every MLflow step logged once. The driver connects with the
+    head's GCS address, as a driver on a node does (the other pipeline tests connect through Ray Client)."""
     out = tmp_path / "out"
     run = Run(out, [*STEPS, "sft.args.max_steps=22", "sft.args.save_steps=2", "grpo.enabled=false",
-                    *on_ray(cluster.client, max_failures=1), *run_inputs(out)])
+                    *on_ray(cluster.gcs, max_failures=1), *run_inputs(out)])
     first = run.start("first")
     _wait_for(out / "sft" / "checkpoint-2" / "trainer_state.json", first, run)
     cluster.kill_node("b")
