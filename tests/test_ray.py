@@ -76,10 +76,13 @@ def test_sft_runs_on_two_nodes_from_the_pipeline(cluster, tmp_path, prefect_home
     """`vlmexp run` through Ray Client, 2 workers on different nodes: SFT completes; each worker's line comes
     back with its rank and node; each worker trains on its share of the data; the stage run's tags name the
     cluster, the nodes and each worker's node and resources; the first losses equal those of torchrun with 2
-    processes on the same data and seed. (GRPO on the cluster: the deployment test below.)"""
+    processes on the same data and seed; launch.ray.runtime_env reaches the workers (its env_vars turn off
+    the progress bars of the workers' model loading, which torchrun's ranks show). (GRPO on the cluster: the
+    deployment test below.)"""
     out = tmp_path / "out"
-    run = Run(out, [*STEPS, "sft.args.max_steps=2", "grpo.enabled=false", *on_ray(cluster.client),
-                    *run_inputs(out)])
+    quiet = {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
+    run = Run(out, [*STEPS, "sft.args.max_steps=2", "grpo.enabled=false",
+                    *on_ray(cluster.client, runtime_env=quiet), *run_inputs(out)])
     assert run.start("ray").wait(timeout=900) == 0, run.text()[-4000:]
     log = run.text()
     client, runs = run.stage_runs()
@@ -95,6 +98,7 @@ def test_sft_runs_on_two_nodes_from_the_pipeline(cluster, tmp_path, prefect_home
     for rank, node in enumerate(nodes):  # the workers' lines, in the task's log
         assert f"[rank {rank} node {node} " in log, log[-3000:]
     assert not DISASSEMBLY.search(log), DISASSEMBLY.search(log).group(0)
+    assert "Loading weights" not in log, log[-3000:]  # the runtime_env's env_vars, in the workers
     assert steps_logged(client, stage_run.info.run_id, "loss") == [1, 2]
     # 2 workers x 8 records a step, of 32: an epoch is 2 steps (one worker alone would take 4)
     sft_log = json.loads((out / "sft" / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
@@ -107,6 +111,7 @@ def test_sft_runs_on_two_nodes_from_the_pipeline(cluster, tmp_path, prefect_home
                         "launch.launcher=torchrun", "launch.nproc_per_node=2", *run_inputs(hand)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Loading weights" in r.stderr, r.stderr[-3000:]
     torchrun_log = json.loads((hand / "sft/checkpoint-2/trainer_state.json").read_text())["log_history"]
     losses = [[e["loss"] for e in history if "loss" in e] for history in (sft_log, torchrun_log)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4), losses
