@@ -33,7 +33,12 @@ def free_port() -> int:
 
 
 class RayTestCluster:
-    def __init__(self):
+    """`cpus`: the CPUs each of node a and b declares. Ray starts at most that many of a node's worker
+    processes at once (the raylet's maximum_startup_concurrency is min(CPUs declared, cores)), so with one
+    CPU a node starts a run's controller, workers and helper actors one after the other."""
+
+    def __init__(self, cpus: int = 1):
+        self.cpus = cpus
         # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
         self.temp = Path(tempfile.mkdtemp(prefix="vr", dir="/tmp"))
         self.port, self.client_port, self.dashboard_port = free_port(), free_port(), free_port()
@@ -90,12 +95,13 @@ class RayTestCluster:
         self._start("a", ["--head", f"--port={self.port}", f"--ray-client-server-port={self.client_port}",
                           f"--temp-dir={self.temp}", "--resources={\"node_a\": 1}",
                           "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                          f"--dashboard-port={self.dashboard_port}"])
+                          f"--dashboard-port={self.dashboard_port}"], cpus=self.cpus)
 
     def start_node_b(self) -> None:
         # a temp folder of its own: each node's log monitor streams the logs in its folder to the drivers (in
         # one shared folder, both would send every worker line twice)
-        self._start("b", [f"--address={self.gcs}", "--resources={\"node_b\": 1}", f"--temp-dir={self.temp}b"])
+        self._start("b", [f"--address={self.gcs}", "--resources={\"node_b\": 1}", f"--temp-dir={self.temp}b"],
+                    cpus=self.cpus)
 
     def start_blind_node(self, hidden: Path) -> None:
         """Node c: no CPU (no worker is placed there), in a mount namespace of its own where an empty tmpfs
@@ -134,8 +140,8 @@ class RayTestCluster:
 
 
 @contextlib.contextmanager
-def ray_test_cluster():
-    cluster = RayTestCluster()
+def ray_test_cluster(cpus: int = 1):
+    cluster = RayTestCluster(cpus)
     try:
         cluster.start_head()
         cluster.start_node_b()

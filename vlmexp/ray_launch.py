@@ -36,6 +36,13 @@ LEFTOVER_WAIT = 12.0
 # Ray Train's one actor per cluster, shared by every Train run (detached, named AutoscalingCoordinator,
 # created by the first run on the cluster and reused by the later ones): the cluster's, not a run's
 CLUSTER_SERVICES = ("_AutoscalingCoordinatorActor",)
+# Ray Train's switches (read from the driver's environment and passed on to its controller and workers) that
+# leave a worker's output and logging as torchrun's ranks have them. Otherwise Ray configures each worker's
+# root logger (the stage's log format is lost) and patches `print` to send every printed line to it as well,
+# also lines printed into a captured stdout: dill's disassembly of the functions that `datasets` hashes
+# (dill.detect.nestedglobals reads `dis.dis` output that way) reached the stage's log
+WORKER_OUTPUT_AS_TORCHRUN = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                             "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
 
 
 def main(argv: list[str]) -> int:
@@ -81,6 +88,8 @@ def main(argv: list[str]) -> int:
             "chdir": not (ray_cfg.runtime_env or {}).get("working_dir")}
     print(f"Ray job {run['job_id']} on {ray_cfg.address}: {args.stage} as run {name}, "
           f"{ray_cfg.num_workers} workers", flush=True)
+    for key, value in WORKER_OUTPUT_AS_TORCHRUN.items():  # a value the user set stays
+        os.environ.setdefault(key, value)
     try:
         return _fit(build_trainer(ray_cfg, work, name, folder), run["job_id"])
     finally:
@@ -97,6 +106,13 @@ def build_trainer(ray_cfg: RayLaunchConfig, work: dict[str, Any], name: str, fol
         # SIGHUP too and waits until the run left the cluster, so it keeps the controller's handle instead
         def _register_sigint_handler(self, controller) -> None:
             self.controller = controller
+
+        # the stage reads its own data: no Ray Datasets. Ray Train's callback for them starts an actor (a
+        # process) and has every worker import Ray Data before the stage starts, whatever the datasets
+        def _create_default_callbacks(self) -> list:
+            from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
 
     each = {"CPU": ray_cfg.cpus_per_worker, "GPU": ray_cfg.gpus_per_worker, **ray_cfg.resources_per_worker}
     scaling = ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.gpus_per_worker > 0,

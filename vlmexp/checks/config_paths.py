@@ -61,8 +61,9 @@ def _check_yaml(path: str | None, loc: tuple) -> list[Found]:
     return _check_sources(sources, loc + ("datasets",), origin=path)
 
 
-def check_config_paths(cfg: Config) -> list[Found]:
-    """Every local path the config names that does not exist (or is not what it should be)."""
+def check_config_paths(cfg: Config, check_cluster: bool = True) -> list[Found]:
+    """Every local path the config names that does not exist (or is not what it should be); with
+    `check_cluster`, the Ray cluster that `launch.launcher: ray` names."""
     out: list[Found] = []
     if msg := check_model_path(cfg.model.path):
         out.append((("model", "path"), cfg.model.path, msg))
@@ -91,7 +92,8 @@ def check_config_paths(cfg: Config) -> list[Found]:
             out.append((("launch", "deepspeed"), launch.deepspeed, msg))
     from vlmexp.launch import is_launched_process
 
-    if launch.launcher == "ray" and not is_launched_process():  # a worker's cluster was checked by its driver
+    # a worker's cluster was checked by its driver
+    if launch.launcher == "ray" and check_cluster and not is_launched_process():
         from vlmexp.ray_cluster import check_ray_launch
 
         out += check_ray_launch(cfg)

@@ -26,14 +26,15 @@ from vlmexp.errors import ConfigError, Problem, change_the_value, short
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = False,
-                check_trl: bool = True, import_rewards: bool = False) -> Config:
+                check_trl: bool = True, import_rewards: bool = False, check_cluster: bool = True) -> Config:
     """Read (merging `extends:`), override and validate a config. Raises ConfigError with all problems found.
 
     Reward names, sampling strategies and `columns` fields are always checked (nothing runs). The switches:
     `check_trl` builds TRL's config classes from the args (off for a config validated already: a run's
     resolved copy); `import_rewards` imports each module:function reward's module in a child process, so the
     module's top-level code runs (`vlmexp validate`, `run` and `train` turn it on); `check_paths` probes the
-    files and folders the config names."""
+    files and folders the config names, and with `check_cluster` the Ray cluster of `launch.launcher: ray`
+    (off where the Ray driver that checks it on its own connection comes next)."""
     raw, origins = read_composed(path)
     problems: list[Problem] = []
     override_locs: dict[Loc, str] = {}
@@ -69,7 +70,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
     if cfg is not None and check_paths:
         from vlmexp.checks.config_paths import check_config_paths
 
-        found += check_config_paths(cfg)
+        found += check_config_paths(cfg, check_cluster)
     problems += [Problem(where(loc), _dotted(loc), message, value) for loc, value, message in found
                  if loc not in non_finite]
     if problems:
