@@ -253,7 +253,8 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     metrics = evaluate_with_tools(cfg, records, prompts, generator, tmp_path / "eval")
     # the next turn sees the turn as the model wrote it (its <think> included), then the tool's turn
     assert any("<|im_start|>assistant\n<think>Too small to see.</think>\n<tool_call>" in t
-               and t.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n") for t in prompted), prompted
+               and t.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+               for t in prompted), prompted
 
     # zoom: one zoom, right; outside: refused, then right; forever: two zooms, then a call not run
     assert metrics["tool_exact_accuracy"] == pytest.approx(2 / 3)

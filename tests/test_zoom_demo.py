@@ -77,7 +77,8 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         assert np.array_equal(np.asarray(crop), np.asarray(image.crop(tuple(cropped))))  # the tool's crop
         window = from_frame(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget)
         assert [round(v) for v in window] == cropped  # a half-image window on the grid: the crop itself
-        assert cropped[2] - cropped[0] == cropped[3] - cropped[1] == 112 and {*cropped} <= {0, 56, 112, 168, 224}
+        assert cropped[2] - cropped[0] == cropped[3] - cropped[1] == 112
+        assert {*cropped} <= {0, 56, 112, 168, 224}
         assert cropped[0] <= record.box[0] and cropped[1] <= record.box[1]  # the whole target inside
         assert cropped[2] >= record.box[2] and cropped[3] >= record.box[3]
         shown = _demodulated(image, record.box)
@@ -86,6 +87,8 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         colours.add(record.solution)
     assert colours == set(COLOURS)
     assert [r.record_format for r in val] == ["vqa"] * 8 and all(r.tool_turns == [] for r in val)
+    # the colours take turns: one answer for all scores a quarter
+    assert sorted(r.solution for r in val) == sorted([*COLOURS] * 2)
     assert all(len(r.images) == 1 and r.box is not None for r in val)
 
 

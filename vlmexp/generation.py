@@ -297,8 +297,8 @@ class Generator:
         tokenizer = self.processor.tokenizer
         done: list[list[dict]] = [[] for _ in prompts]
         seen = [list(imgs) for imgs in images]  # each conversation's images so far: the record's, the crops
-        texts = [self.processor.apply_chat_template(with_image_parts(p, len(imgs)), tools=tools, tokenize=False,
-                                                    add_generation_prompt=True)
+        texts = [self.processor.apply_chat_template(with_image_parts(p, len(imgs)), tools=tools,
+                                                    tokenize=False, add_generation_prompt=True)
                  for p, imgs in zip(prompts, images, strict=True)]
         active = list(range(len(prompts)))
         for turn in range(max_turns + 1):
@@ -325,7 +325,8 @@ class Generator:
         `_get_tool_suffix_ids` as text (the template renders a one-call conversation with and without the
         tool turns; the difference after the end token)."""
         call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        dummy = [{"role": "user", "content": "dummy"},
+                 {"role": "assistant", "content": "", "tool_calls": call}]
         before = self.processor.apply_chat_template(dummy, tools=tools, tokenize=False)
         after = self.processor.apply_chat_template(dummy + tool_messages, tools=tools, tokenize=False,
                                                    add_generation_prompt=True)

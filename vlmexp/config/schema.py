@@ -279,7 +279,8 @@ class ZoomDemoConfig(Section):
     annotator_jitter: float = Field(
         0.15, ge=0, le=1, description="... and moves each edge by a uniform draw in [-j, +j] x the side.")
     annotator_window: float = Field(
-        0, ge=0, lt=1, description="0: the loose box above. Otherwise the annotator zooms into a square window "
+        0, ge=0, lt=1, description="0: the loose box above. Otherwise the annotator zooms into a square "
+        "window "
         "of this share of the image side instead, the one of a grid of windows (half a window apart) whose "
         "centre is nearest the target's: a coarse zoom, as a person looking for a detail first halves the "
         "picture. A window shown at or above its own resolution keeps the target's pattern.")

@@ -63,20 +63,21 @@ def _background(side: int):
     return _gradient(side, side)
 
 
-def make_image(rng: random.Random, scenes: ZoomScenes):
-    """(image, colour name, the target's box in original pixels)."""
+def make_image(rng: random.Random, scenes: ZoomScenes, colour: str | None = None):
+    """(image, colour name, the target's box in original pixels); the colour drawn unless given."""
     from PIL import Image
 
     image = _background(scenes.side)
-    colour = rng.choice(list(COLOURS))
+    drawn = rng.choice(list(COLOURS))
+    colour = colour or drawn
     side = rng.randint(*scenes.target)
     x1, y1 = rng.randint(2, scenes.side - side - 2), rng.randint(2, scenes.side - side - 2)
     rgb = COLOURS[colour]
     inner = side - 2 * FRAME
     patch = Image.new("RGB", (inner, inner))
     complement = tuple(255 - v for v in rgb)
-    # the checkerboard's phase is the image's (colour where x + y is even): a crop that starts on an even pixel,
-    # as the demonstrations' windows do, shows every colour in one phase, so a patch reads it one way
+    # the checkerboard's phase is the image's (colour where x + y is even): a crop that starts on an even
+    # pixel, as the demonstrations' windows do, shows every colour in one phase, so a patch reads it one way
     left, top = x1 + FRAME, y1 + FRAME
     patch.putdata([rgb if (left + i + top + j) % 2 == 0 else complement for j in range(inner)
                    for i in range(inner)])
@@ -151,7 +152,9 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
         for split, count in (("train", train), ("val", val)):
             rows = []
             for i in range(count):
-                image, colour, box = make_image(rng, scenes)
+                # held-out colours take turns: any one answer given to every record scores a quarter
+                image, colour, box = make_image(rng, scenes, list(COLOURS)[i % len(COLOURS)]
+                                                if split == "val" else None)
                 name = f"images/{split}_{i:05d}.png"
                 image.save(tmp / name)
                 if split == "val":
