@@ -134,8 +134,6 @@ def _stop_and_check_the_cluster(cluster, run: Run, proc: subprocess.Popen, sig: 
     (a terminal's Ctrl-C, a closed terminal's SIGHUP) or to its main process alone (`kill PID`). The run exits
     128 + `sig` within 30 s and leaves nothing of the Ray run on the cluster: no actor, no placement group
     (Ray's state API), no worker or controller process on any node."""
-    from ray.util.state import list_actors, list_placement_groups
-
     sft = run.out / "sft"
     _wait_for(sft / f"checkpoint-{_newest_checkpoint(sft) + 2}" / "trainer_state.json", proc, run)
     job = json.loads((run.out / "ray" / "sft" / "run.json").read_text())["job_id"]
@@ -147,11 +145,7 @@ def _stop_and_check_the_cluster(cluster, run: Run, proc: subprocess.Popen, sig: 
     for line in ("stopped: the Ray run left nothing on the cluster",
                  f"stopped by {said}; run the same command again to resume"):
         assert line in run.text(), run.text()[-3000:]
-    actors = list_actors(address=cluster.dashboard, filters=[("job_id", "=", job)])
-    # Ray Train's AutoscalingCoordinator is one detached actor per cluster, shared by every Train run
-    assert all(a.state == "DEAD" for a in actors if a.class_name != "_AutoscalingCoordinatorActor"), actors
-    groups = list_placement_groups(address=cluster.dashboard, detail=True)
-    assert all(g.state == "REMOVED" for g in groups if g.creator_job_id == job), groups
+    assert not _left_of(cluster, job), _left_of(cluster, job)
     assert not cluster.processes("ray::RayTrainWorker", "ray::TrainController")
 
 
@@ -277,8 +271,11 @@ def test_ray_settings_that_cannot_work_are_refused(overrides, message):
 @pytest.mark.slow
 def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_home, run_inputs):
     """`prefect deployment run 'vlm-pipeline/manual'` with GRPO on the stage deployment `vlm-stage/gpu`: the
-    stage's flow run on the `gpu` pool submits GRPO to the cluster, its log has the workers' lines with their
-    ranks and nodes, and the pipeline completes with GRPO's MLflow run tagged with the cluster's two nodes."""
+    stage's flow run on the `gpu` pool submits GRPO to the cluster. Cancelled through Prefect's API (the UI's
+    Cancel) once its Ray run started, the stage's flow run ends Cancelled and its Ray run leaves the cluster
+    (no actor, no placement group of its job) within 30 s; the pipeline's retry sends GRPO again, its log has
+    the workers' lines with their ranks and nodes, and the pipeline completes with GRPO's MLflow run tagged
+    with the cluster's two nodes."""
     from mlflow.tracking import MlflowClient
     from prefect_server import create_pools_and_deploy, prefect_server
     from test_stage_deployments import _flow_runs
@@ -286,15 +283,30 @@ def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_h
     out = tmp_path / "run"
     params = {"config": "configs/demo.yaml", "overrides": [
         *STEPS, f"run.output_dir={out}", *run_inputs(out), "sft.enabled=false", "grpo.args.max_steps=2",
-        "pipeline.stage_deployments={grpo: vlm-stage/gpu}", *on_ray(cluster.client)]}
+        "pipeline.stage_deployments={grpo: vlm-stage/gpu}", "pipeline.retry_delay_seconds=1",
+        *on_ray(cluster.client)]}
     with prefect_server(tmp_path, prefect_home) as server:
         create_pools_and_deploy(server)
         server.worker("gpu", query_seconds=3)
         watch = server.run_pipeline(params, tmp_path / "watch.log")
         server.worker("cpu", "--run-once")
+        run_json = out / "ray" / "grpo" / "run.json"
+        deadline = time.monotonic() + 900
+        while not run_json.is_file():  # the stage's driver connected and is starting the Ray run
+            assert watch.poll() is None and time.monotonic() < deadline, (tmp_path / "watch.log").read_text()
+            time.sleep(0.5)
+        job = json.loads(run_json.read_text())["job_id"]
+        cancelled = _cancel_the_running_stage(server.url)
+        start = time.monotonic()
+        while _left_of(cluster, job) and time.monotonic() - start < 30:
+            time.sleep(0.5)
+        assert not _left_of(cluster, job), _left_of(cluster, job)
         assert watch.wait(1600) == 0, (tmp_path / "watch.log").read_text()[-3000:]
         runs, logs = _flow_runs(server.url)
-    [(stage, log)] = [(r, logs[str(r.id)]) for name, r, _ in runs if name == "vlm-stage"]
+    stages = {str(r.id): r for name, r, _ in runs if name == "vlm-stage"}
+    assert stages.pop(cancelled).state.name == "Cancelled"
+    [stage] = stages.values()
+    log = logs[str(stage.id)]
     assert stage.work_pool_name == "gpu" and stage.state.name == "Completed"
     assert "-m vlmexp.ray_launch train grpo" in log and "[rank 1 node " in log, log[-3000:]
     assert not DISASSEMBLY.search(log), DISASSEMBLY.search(log).group(0)
@@ -304,3 +316,30 @@ def test_a_deployment_run_sends_grpo_to_the_cluster(cluster, tmp_path, prefect_h
     assert tags["ray.cluster"] == cluster.client and tags["ray.nodes"] == "2", tags
     assert [m.step for m in client.get_metric_history(run_id, "reward")] == [1, 2]
     assert (out / "grpo" / "final").is_dir()
+
+
+def _cancel_the_running_stage(url: str) -> str:
+    """Cancel the running vlm-stage flow run as Prefect's UI does (its state set to Cancelling: its worker
+    then ends the run's processes); its id."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        [stage] = [r for r in client.read_flow_runs()
+                   if flows[r.flow_id] == "vlm-stage" and r.state and r.state.is_running()]
+        client.set_flow_run_state(stage.id, Cancelling(message="cancelled from the UI"))
+    return str(stage.id)
+
+
+def _left_of(cluster, job: str) -> list:
+    """Job `job`'s actors that are not dead and placement groups not removed, read through Ray's state API
+    (Ray Train's AutoscalingCoordinator is one detached actor per cluster, shared by every Train run)."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    actors = [a for a in list_actors(address=cluster.dashboard, filters=[("job_id", "=", job)])
+              if a.state != "DEAD" and a.class_name != "_AutoscalingCoordinatorActor"]
+    groups = [g for g in list_placement_groups(address=cluster.dashboard, detail=True)
+              if g.creator_job_id == job and g.state != "REMOVED"]
+    return actors + groups
