@@ -31,7 +31,7 @@ from tests.ray_cluster import ray_test_cluster  # noqa: E402
 
 GRPO = ["tracking.backend=none", "data.demo.train=64", "data.demo.val=8", "sft.enabled=false",
         "grpo.args.per_device_train_batch_size=8", "grpo.args.gradient_accumulation_steps=1",
-        "grpo.args.num_generations=8", "grpo.args.max_completion_length=16", "grpo.args.logging_steps=1",
+        "grpo.args.num_generations=8", "grpo.args.logging_steps=1",
         "grpo.args.save_steps=1", "grpo.args.save_only_model=true", "grpo.resume=false", "eval.every_steps=0"]
 
 
@@ -43,11 +43,12 @@ def launch(name: str, cluster) -> list[str]:
     return ["launch.launcher=ray", f"launch.ray={json.dumps(ray)}"]
 
 
-def one_run(name: str, out: Path, steps: int, cluster, model: str) -> tuple[float, float]:
+def one_run(name: str, out: Path, steps: int, tokens: int, cluster, model: str) -> tuple[float, float]:
     """(seconds a step, seconds from the command's start to the end of step 1) for one GRPO stage."""
     start = time.time()
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
                         f"run.output_dir={out}", f"model.path={model}", f"grpo.args.max_steps={steps}",
+                        f"grpo.args.max_completion_length={tokens}",
                         *GRPO, *launch(name, cluster)], cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{name}: the stage failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("out", help="a folder for the runs' output folders")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=16, help="each completion's length in tokens")
     parser.add_argument("--client", action="store_true", help="also run the driver through Ray Client")
     parser.add_argument("--cpus", type=int, default=2, help="the CPUs each Ray node declares")
     args = parser.parse_args()
@@ -70,11 +72,11 @@ def main() -> None:
                        cwd=REPO)
     launchers = ["torchrun", "ray", *(["ray-client"] if args.client else [])]
     print("load average (1, 5, 15 min) at the start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
-    with ray_test_cluster(args.cpus) as cluster:
+    with ray_test_cluster(args.cpus, grpc_env=args.client) as cluster:
         for i in range(args.runs):
             times = {}
             for name in launchers:  # alternating, so a change in the machine's load hits each alike
-                times[name] = one_run(name, out / f"{name}{i}", args.steps, cluster, str(model))
+                times[name] = one_run(name, out / f"{name}{i}", args.steps, args.tokens, cluster, str(model))
                 print(f"run {i + 1} {name}: {times[name][0]:.3f} s a step, first step done "
                       f"{times[name][1]:.1f} s after the start", flush=True)
             base = times["torchrun"]

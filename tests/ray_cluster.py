@@ -37,8 +37,8 @@ class RayTestCluster:
     processes at once (the raylet's maximum_startup_concurrency is min(CPUs declared, cores)), so with one
     CPU a node starts a run's controller, workers and helper actors one after the other."""
 
-    def __init__(self, cpus: int = 1):
-        self.cpus = cpus
+    def __init__(self, cpus: int = 1, grpc_env: bool = True):
+        self.cpus, self.grpc_env = cpus, grpc_env
         # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
         self.temp = Path(tempfile.mkdtemp(prefix="vr", dir="/tmp"))
         self.port, self.client_port, self.dashboard_port = free_port(), free_port(), free_port()
@@ -58,7 +58,11 @@ class RayTestCluster:
 
     def _start(self, name: str, args: list[str], wrapper: tuple[str, ...] = (), cpus: int = 1) -> None:
         before = set(psutil.pids())
-        env = {**os.environ, **GRPC_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+        # RAY_AUTH_MODE: Ray turns token authentication on for a `ray start --head` when ~/.ray/auth_token
+        # exists (a local `ray.init()` writes it) and leaves it off for `ray start --address`, so node b would
+        # be refused on a machine where Ray ran before; a mode the user set stays
+        env = {"RAY_AUTH_MODE": "disabled", **os.environ, **(GRPC_ENV if self.grpc_env else {}),
+               "RAY_USAGE_STATS_ENABLED": "0"}
         # the ports Ray would otherwise take at fixed defaults (the dashboard agent's 52365), which another
         # cluster on the machine may hold
         ports = [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
@@ -140,8 +144,10 @@ class RayTestCluster:
 
 
 @contextlib.contextmanager
-def ray_test_cluster(cpus: int = 1):
-    cluster = RayTestCluster(cpus)
+def ray_test_cluster(cpus: int = 1, grpc_env: bool = True):
+    """`grpc_env`: the nodes run with GRPC_ENV, which Ray Client's server needs here and which costs every
+    worker's training steps (bench/RESULTS.md, "Ray against torchrun")."""
+    cluster = RayTestCluster(cpus, grpc_env)
     try:
         cluster.start_head()
         cluster.start_node_b()

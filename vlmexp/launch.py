@@ -3,7 +3,7 @@
 `local` runs one process; `torchrun` and `accelerate` start `nproc_per_node` processes on each of `nnodes`
 machines (run the same command on every node with its own `launch.node_rank`); `deepspeed` reads a
 hostfile and starts every node from node 0 over ssh (pdsh); `ray` runs a driver (vlmexp.ray_launch) that
-submits the stage to a running Ray cluster as Ray Train workers. Whatever the launcher, each process runs
+submits the stage to a running Ray cluster as Ray actors. Whatever the launcher, each process runs
 `python -m vlmexp.cli train STAGE --config C --in-process` (with `--checked` when C is a run's resolved
 config, as the pipeline starts a stage), and the DeepSpeed JSON reaches the Trainer through
 `TrainingArguments.deepspeed` (so the same file works with every launcher).
@@ -40,7 +40,7 @@ def stage_command(launch: LaunchConfig, stage: str, config: str | Path, model: s
     n, nodes = launch.nproc_per_node, launch.nnodes
     if launch.launcher == "local":
         return [sys.executable, "-m", *inner]
-    if launch.launcher == "ray":  # the driver; each Ray Train worker runs `vlmexp.cli` with these arguments
+    if launch.launcher == "ray":  # the driver; each Ray worker runs `vlmexp.cli` with these arguments
         return [sys.executable, "-m", "vlmexp.ray_launch", *inner[1:]]
     if launch.launcher == "torchrun":
         cmd = [_tool("torchrun"), f"--nproc_per_node={n}", f"--nnodes={nodes}"]
@@ -78,7 +78,7 @@ def ray_submission(launch: LaunchConfig) -> str:
     r = launch.ray
     assert r is not None
     each = {"GPU": r.gpus_per_worker, "CPU": r.cpus_per_worker, **r.resources_per_worker}
-    return (f"Ray Train TorchTrainer on {r.address}: {r.num_workers} workers, each "
+    return (f"Ray actors on {r.address}: {r.num_workers} workers, each "
             + ", ".join(f"{v:g} {k}" for k, v in each.items())
             + f"; placement {r.placement_strategy}; up to {r.max_failures} worker-group restarts from the "
             f"newest checkpoint; runtime_env {r.runtime_env or 'none (the nodes have vlmexp installed)'}")

@@ -32,9 +32,9 @@ MARKER_PREFIX = ".vlmexp-ray-marker-"
 def ray_missing() -> str | None:
     """Why Ray cannot be used here (not installed, with the extra to install), or None."""
     try:
-        import ray.train  # noqa: F401
+        import ray.util.state  # noqa: F401
     except ImportError as e:
-        return f"launcher 'ray' needs Ray Train, which is not installed here ({e}): {RAY_EXTRA}"
+        return f"launcher 'ray' needs Ray, which is not installed here ({e}): {RAY_EXTRA}"
     return None
 
 

@@ -1,20 +1,26 @@
-"""`launch.launcher: ray`: a training stage as Ray Train workers on a running cluster; this is its driver.
+"""`launch.launcher: ray`: a training stage as Ray actors on a running cluster; this is its driver.
 
 `python -m vlmexp.ray_launch train STAGE --config C --in-process ...` (what vlmexp.launch.stage_command gives)
 connects to launch.ray.address, checks the cluster (the resources asked for; every node sees the output
-folder), then runs Ray Train's TorchTrainer: each worker calls `vlmexp.cli.main` with these same arguments,
-the function each torchrun rank runs (Ray sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and the process
-group; accelerate and TRL use them). Checkpoints are the stage's own, in the shared output folder: a worker
-group that Ray restarts (launch.ray.max_failures) runs the stage again, which resumes from the newest complete
-one.
+folder), reserves one placement-group bundle per worker (launch.ray's resources and strategy) and starts one
+actor in each. Every actor calls `vlmexp.cli.main` with these same arguments, the function each torchrun rank
+runs, with the environment torchrun gives its ranks (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+NODE_RANK, MASTER_ADDR and MASTER_PORT of rank 0's node; CUDA_VISIBLE_DEVICES: the GPUs of every worker on
+the node, as torchrun's ranks see them); accelerate and TRL set up the process group from it. This is how
+verl and OpenRLHF place their workers (a placement group and plain actors), without Ray Train's controller
+and helper actors, whose start-up cost 20 s of a CPU stage's first step here (bench/RESULTS.md).
+
+A worker group that fails (a worker's stage failed, a worker or its node lost) is ended, actors and placement
+group, and started again up to launch.ray.max_failures times, once the cluster has the resources again; each
+start runs the stage again, which resumes from its newest complete checkpoint in the shared output folder.
 
 The workers' output comes back here through Ray's log streaming, each line prefixed with the worker's rank
-and node, so the pipeline's task log shows them. <output_dir>/ray/<stage>/ holds Ray Train's run folder,
-run.json (the cluster, Ray's job id and run name) and workers.json (each rank's node and resources).
+and node, so the pipeline's task log shows them. <output_dir>/ray/<stage>/ holds run.json (the cluster, Ray's
+job id and the run's name) and workers.json (each rank's node and resources).
 
-A stop (Ctrl-C, SIGTERM, SIGHUP) aborts the Ray run, then the driver waits until the run's actors and
-placement groups are gone from the cluster and exits 128 + the signal; a second stop kills the run's
-controller at once. Otherwise the exit code is the stage's: 0, 1 (failed) or 2 (refused before any work).
+A stop (Ctrl-C, SIGTERM, SIGHUP) ends the workers and the placement group, waits until they are gone from
+the cluster and exits 128 + the signal. Otherwise the exit code is the stage's: 0, 1 (failed) or 2 (refused
+before any work).
 """
 
 from __future__ import annotations
@@ -33,16 +39,11 @@ from vlmexp.config.schema import RayLaunchConfig
 # seconds a stopped run's actors and placement groups have to leave the cluster (the pipeline kills a stage's
 # driver STOP_GRACE = 15 s after passing a stop on)
 LEFTOVER_WAIT = 12.0
-# Ray Train's one actor per cluster, shared by every Train run (detached, named AutoscalingCoordinator,
-# created by the first run on the cluster and reused by the later ones): the cluster's, not a run's
-CLUSTER_SERVICES = ("_AutoscalingCoordinatorActor",)
-# Ray Train's switches (read from the driver's environment and passed on to its controller and workers) that
-# leave a worker's output and logging as torchrun's ranks have them. Otherwise Ray configures each worker's
-# root logger (the stage's log format is lost) and patches `print` to send every printed line to it as well,
-# also lines printed into a captured stdout: dill's disassembly of the functions that `datasets` hashes
-# (dill.detect.nestedglobals reads `dis.dis` output that way) reached the stage's log
-WORKER_OUTPUT_AS_TORCHRUN = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                             "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
+# how often the driver looks at its workers and at a stop signal, and says it still waits for resources
+POLL_SECONDS = 0.5
+WAITING_SAY_EVERY = 30.0
+# what `vlmexp.cli.main` returns for a stage refused before any work: no restart runs it again
+REFUSED = 2
 
 
 def main(argv: list[str]) -> int:
@@ -79,89 +80,232 @@ def main(argv: list[str]) -> int:
 
     name = f"{cfg.run.name}-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "workers.json").unlink(missing_ok=True)  # an earlier run's; this run's workers write theirs
+    (folder / "workers.json").unlink(missing_ok=True)  # an earlier run's: this run's are written once placed
     run = {"address": ray_cfg.address, "job_id": ray.get_runtime_context().get_job_id(), "run_name": name,
            "nodes": sum(1 for n in ray.nodes() if n["Alive"]), "storage": str(folder)}
     (folder / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     marker = write_marker(Path(cfg.run.output_dir))
-    work = {"argv": list(argv), "cwd": os.getcwd(), "marker": str(marker), "folder": str(folder),
+    work = {"argv": list(argv), "cwd": os.getcwd(), "marker": str(marker),
             "chdir": not (ray_cfg.runtime_env or {}).get("working_dir")}
     print(f"Ray job {run['job_id']} on {ray_cfg.address}: {args.stage} as run {name}, "
           f"{ray_cfg.num_workers} workers", flush=True)
-    for key, value in WORKER_OUTPUT_AS_TORCHRUN.items():  # a value the user set stays
-        os.environ.setdefault(key, value)
-    try:
-        return _fit(build_trainer(ray_cfg, work, name, folder), run["job_id"])
-    finally:
-        marker.unlink(missing_ok=True)
-
-
-def build_trainer(ray_cfg: RayLaunchConfig, work: dict[str, Any], name: str, folder: Path):
-    """The TorchTrainer whose workers run `run_worker(work)` as launch.ray places them."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    class Trainer(TorchTrainer):
-        # Ray Train takes SIGINT for itself (aborting the run's controller); this driver stops on SIGTERM and
-        # SIGHUP too and waits until the run left the cluster, so it keeps the controller's handle instead
-        def _register_sigint_handler(self, controller) -> None:
-            self.controller = controller
-
-        # the stage reads its own data: no Ray Datasets. Ray Train's callback for them starts an actor (a
-        # process) and has every worker import Ray Data before the stage starts, whatever the datasets
-        def _create_default_callbacks(self) -> list:
-            from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-            return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
-
-    each = {"CPU": ray_cfg.cpus_per_worker, "GPU": ray_cfg.gpus_per_worker, **ray_cfg.resources_per_worker}
-    scaling = ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.gpus_per_worker > 0,
-                            resources_per_worker=each,
-                            placement_strategy=ray_cfg.placement_strategy)
-    return Trainer(run_worker, train_loop_config=work, scaling_config=scaling,
-                   run_config=RunConfig(name=name, storage_path=str(folder),
-                                        failure_config=FailureConfig(max_failures=ray_cfg.max_failures)))
-
-
-def _fit(trainer, job_id: str) -> int:
-    """Run `trainer` to its end, or until a stop signal: the exit code."""
-    import ray
-    from ray.train import TrainingFailedError
-
     stops: list[int] = []
 
     def stop(signum, frame) -> None:
         stops.append(signum)
-        controller = getattr(trainer, "controller", None)
         os.write(2, f"stopping the Ray run ({signal.Signals(signum).name})\n".encode())
-        if controller is None:
-            raise KeyboardInterrupt
-        if len(stops) == 1:
-            controller.abort.remote()
-        else:
-            ray.kill(controller)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
     try:
-        trainer.fit()
-        code = 0
-    except TrainingFailedError as e:
-        code = 128 + stops[0] if stops else 1
-        if not stops:
-            print(f"error: the Ray run failed: {e}", file=sys.stderr, flush=True)
-    except (KeyboardInterrupt, ray.exceptions.RayActorError):
-        if not stops:
-            raise
-        code = 128 + stops[0]
+        code = _drive(ray_cfg, work, folder, stops)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        marker.unlink(missing_ok=True)
     if stops:
-        left = wait_until_gone(job_id)
+        left = wait_until_gone(run["job_id"])
         print(f"stopped: the Ray run {'left ' + ', '.join(left) if left else 'left nothing'} on the cluster",
               file=sys.stderr, flush=True)
+        return 128 + stops[0]
     return code
+
+
+def _drive(ray_cfg: RayLaunchConfig, work: dict[str, Any], folder: Path, stops: list[int]) -> int:
+    """Start the worker group until the stage ends, restarting it after a failure up to max_failures times:
+    the stage's exit code (anything once a stop signal came)."""
+    starts = 0
+    while True:
+        starts += 1
+        group = WorkerGroup(ray_cfg)
+        try:
+            failure = group.run(work, folder, stops)
+        finally:
+            group.end()
+        if stops or failure is None:
+            return 0
+        if failure.refused:
+            print(f"error: the Ray run's stage was refused: {failure.what}", file=sys.stderr, flush=True)
+            return REFUSED
+        if starts > ray_cfg.max_failures:
+            print(f"error: the Ray run failed: {failure.what} (worker group start {starts}; "
+                  f"launch.ray.max_failures {ray_cfg.max_failures})", file=sys.stderr, flush=True)
+            return 1
+        print(f"the Ray run's worker group failed: {failure.what}; starting it again (restart {starts} of "
+              f"launch.ray.max_failures {ray_cfg.max_failures}): the stage resumes from its newest complete "
+              "checkpoint", file=sys.stderr, flush=True)
+
+
+class Failure:
+    def __init__(self, what: str, refused: bool = False):
+        self.what, self.refused = what, refused
+
+
+class WorkerGroup:
+    """One start of the stage's workers: a placement group of launch.ray.num_workers bundles and one actor
+    (`StageWorker`) in each."""
+
+    def __init__(self, ray_cfg: RayLaunchConfig):
+        from ray.util.placement_group import placement_group
+
+        self.cfg = ray_cfg
+        self.bundle = {k: v for k, v in {"CPU": ray_cfg.cpus_per_worker, "GPU": ray_cfg.gpus_per_worker,
+                                         **ray_cfg.resources_per_worker}.items() if v}
+        self.pg = placement_group([self.bundle] * ray_cfg.num_workers, strategy=ray_cfg.placement_strategy)
+        self.actors: list[Any] = []
+
+    def run(self, work: dict[str, Any], folder: Path, stops: list[int]) -> Failure | None:
+        """The stage on this group to its end: None when every worker's stage returned 0 (or a stop signal
+        came), else what failed."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not self._resources_ready(stops):
+            return None
+        worker = ray.remote(StageWorker)
+        self.actors = [worker.options(
+            num_cpus=self.cfg.cpus_per_worker, num_gpus=self.cfg.gpus_per_worker,
+            resources=self.cfg.resources_per_worker, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+        ).remote() for i in range(self.cfg.num_workers)]
+        places = self._gather([a.place.remote(work["marker"]) for a in self.actors], stops, "starting")
+        if not isinstance(places, list):
+            return places
+        if seen := [p["problem"] for p in places if p["problem"]]:
+            return Failure("; ".join(seen), refused=True)
+        envs, ranks = rank_environments(places)
+        _write_workers(folder, places, ranks)
+        names = [f"rank {r} on node {p['node_id'][:12]} ({p['host']})"
+                 for p, r in zip(places, ranks, strict=True)]
+        codes = self._gather([a.run.remote(work, env) for a, env in zip(self.actors, envs, strict=True)],
+                             stops, "running", names)
+        return codes if not isinstance(codes, list) else None
+
+    def _resources_ready(self, stops: list[int]) -> bool:
+        """Wait until the cluster reserved every bundle (a lost node's replacement, say), saying so every
+        WAITING_SAY_EVERY s; False when a stop signal came first."""
+        import ray
+
+        ready, said = self.pg.ready(), time.monotonic()
+        while not stops:
+            if ray.wait([ready], timeout=POLL_SECONDS)[0]:
+                return True
+            if time.monotonic() - said > WAITING_SAY_EVERY:
+                print(f"waiting for the cluster to have {self.cfg.num_workers} x {self.bundle} "
+                      f"({self.cfg.placement_strategy})", file=sys.stderr, flush=True)
+                said = time.monotonic()
+        return False
+
+    def _gather(self, refs: list, stops: list[int], doing: str, names: list[str] | None = None):
+        """Every ref's value in order, or a Failure as soon as one worker is lost, raises or (`names` given:
+        its stage's run) returns an exit code other than 0 (the others are then ended with the group); None
+        when a stop signal came first."""
+        import ray
+
+        pending, values = list(refs), {}
+        while pending and not stops:
+            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
+            for ref in done:
+                i = refs.index(ref)
+                who = names[i] if names else f"worker {i}"
+                try:
+                    values[i] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    lost = isinstance(e, ray.exceptions.RayActorError)
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    return Failure(f"{who} {'was lost' if lost else 'raised'} while {doing}: {first}")
+                if names and values[i] != 0:
+                    return Failure(f"{who}: vlmexp train exited with code {values[i]}",
+                                   refused=values[i] == REFUSED)
+        return None if stops else [values[i] for i in range(len(refs))]
+
+    def end(self) -> None:
+        """End the actors and remove the placement group (they leave the cluster within a second or two)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.pg)
+
+
+def rank_environments(places: list[dict]) -> tuple[list[dict[str, str]], list[int]]:
+    """Each worker's torch.distributed environment as torchrun gives its ranks, and each worker's rank: ranks
+    node by node (nodes in the order of their first bundle), by GPU within a node; rank 0's node serves the
+    rendezvous at the port its worker found free; CUDA_VISIBLE_DEVICES on a node lists every GPU of its
+    workers, so LOCAL_RANK picks a worker's own (as on a torchrun node)."""
+    nodes: dict[str, int] = {}
+    for p in places:
+        nodes.setdefault(p["node_id"], len(nodes))
+    order = sorted(range(len(places)), key=lambda i: (nodes[places[i]["node_id"]], places[i]["gpu_ids"], i))
+    ranks = [order.index(i) for i in range(len(places))]
+    master = places[order[0]]
+    envs = []
+    for i, p in enumerate(places):
+        local = [j for j in order if places[j]["node_id"] == p["node_id"]]
+        env = {"RANK": str(ranks[i]), "WORLD_SIZE": str(len(places)), "LOCAL_RANK": str(local.index(i)),
+               "LOCAL_WORLD_SIZE": str(len(local)), "NODE_RANK": str(nodes[p["node_id"]]),
+               "GROUP_RANK": str(nodes[p["node_id"]]), "MASTER_ADDR": master["node_ip"],
+               "MASTER_PORT": str(master["port"])}
+        gpus = [g for j in local for g in places[j]["gpu_ids"]]
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        envs.append(env)
+    return envs, ranks
+
+
+def _write_workers(folder: Path, places: list[dict], ranks: list[int]) -> None:
+    """<folder>/workers.json: every rank's node and resources (the pipeline tags the stage's MLflow run with
+    them)."""
+    workers = sorted(({"rank": r, "node_id": p["node_id"][:12], "host": p["host"], "node_ip": p["node_ip"],
+                       "resources": p["resources"]} for p, r in zip(places, ranks, strict=True)),
+                     key=lambda w: w["rank"])
+    path = folder / "workers.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(workers, indent=1) + "\n")
+    tmp.replace(path)
+
+
+class StageWorker:
+    """One worker (a Ray actor): where it runs, then the stage function torchrun's ranks run."""
+
+    def place(self, marker: str) -> dict[str, Any]:
+        """This worker's node, host, IP, GPUs and resources, a port free on its node (for rank 0's
+        rendezvous), and whether this node sees the driver's marker in the output folder (None: it does)."""
+        import ray
+
+        from vlmexp.ray_cluster import unseen_marker
+
+        context = ray.get_runtime_context()
+        node, host = context.get_node_id(), socket.gethostname()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return {"node_id": node, "host": host, "node_ip": ray.util.get_node_ip_address(), "port": port,
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "resources": {k: v for k, v in context.get_assigned_resources().items()
+                              if "_group_" not in k},
+                "problem": unseen_marker(marker, node[:12], host)}
+
+    def run(self, work: dict[str, Any], env: dict[str, str]) -> int:
+        """`vlmexp.cli.main` with the stage's arguments in `env`, its output lines prefixed with the rank and
+        node; its exit code."""
+        import ray
+
+        os.environ.update(env)
+        if work["chdir"]:  # the driver's working folder, where the config's relative paths point
+            os.chdir(work["cwd"])
+        from vlmexp.cli import main
+
+        node = ray.get_runtime_context().get_node_id()[:12]
+        out, err = sys.stdout, sys.stderr
+        prefix = f"[rank {env['RANK']} node {node} {socket.gethostname()}] "
+        sys.stdout, sys.stderr = _Prefixed(out, prefix), _Prefixed(err, prefix)
+        try:
+            return main(work["argv"])
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            sys.stdout, sys.stderr = out, err
 
 
 def wait_until_gone(job_id: str, wait: float = LEFTOVER_WAIT) -> list[str]:
@@ -188,58 +332,9 @@ def leftovers(job_id: str, address: str) -> list[str]:
 
     actors = list_actors(address=address, filters=[("job_id", "=", job_id)], raise_on_missing_output=False)
     groups = list_placement_groups(address=address, detail=True, raise_on_missing_output=False)
-    return ([f"actor {a.class_name} ({a.state})" for a in actors
-             if a.state != "DEAD" and a.class_name not in CLUSTER_SERVICES]
+    return ([f"actor {a.class_name} ({a.state})" for a in actors if a.state != "DEAD"]
             + [f"placement group {g.placement_group_id} ({g.state})" for g in groups
                if g.creator_job_id == job_id and g.state != "REMOVED"])
-
-
-def run_worker(work: dict[str, Any]) -> None:
-    """One Ray Train worker: the stage function torchrun's ranks run (`vlmexp.cli.main` with the stage's
-    arguments), after checking this node sees the driver's marker in the output folder; its output lines
-    prefixed with its rank and node."""
-    import ray
-    import ray.train
-
-    from vlmexp.ray_cluster import unseen_marker
-
-    rank = ray.train.get_context().get_world_rank()
-    node = ray.get_runtime_context().get_node_id()[:12]
-    host = socket.gethostname()
-    if problem := unseen_marker(work["marker"], node, host):
-        raise RuntimeError(problem)
-    if work["chdir"]:  # the driver's working folder, where the config's relative paths point
-        os.chdir(work["cwd"])
-    _record_placement(work["folder"], rank, node, host)
-    from vlmexp.cli import main
-
-    out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = (_Prefixed(s, f"[rank {rank} node {node} {host}] ") for s in (out, err))
-    try:
-        code = main(work["argv"])
-    finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        sys.stdout, sys.stderr = out, err
-    if code != 0:
-        raise RuntimeError(f"rank {rank} on node {node} ({host}): vlmexp train exited with code {code}")
-
-
-def _record_placement(folder: str, rank: int, node: str, host: str) -> None:
-    """Every rank's node and resources, gathered over the process group Ray set up; rank 0 writes them to
-    <folder>/workers.json (the pipeline tags the stage's MLflow run with them)."""
-    import ray
-    import torch.distributed as dist
-
-    mine = {"rank": rank, "node_id": node, "host": host, "node_ip": ray.util.get_node_ip_address(),
-            "resources": {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items()
-                          if not k.startswith("bundle_group")}}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        path = Path(folder) / "workers.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(everyone, indent=1) + "\n")
-        tmp.replace(path)
 
 
 class _Prefixed:

@@ -380,8 +380,8 @@ class PipelineConfig(Section):
 
 
 class RayLaunchConfig(Section):
-    """A stage on a running Ray cluster (launch.launcher: ray): Ray Train's TorchTrainer runs the stage
-    function in `num_workers` workers (vlmexp.ray_launch)."""
+    """A stage on a running Ray cluster (launch.launcher: ray): `num_workers` Ray actors in a placement group
+    run the stage function, as torchrun's ranks do (vlmexp.ray_launch)."""
 
     address: str = Field(..., description="The running cluster: ray://HEAD:10001 (Ray Client: this "
                          "machine need not be a node), HEAD:6379 (the GCS address, from a node), or auto "
@@ -396,8 +396,9 @@ class RayLaunchConfig(Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="How the workers' placement group spreads over nodes (Ray's strategies): "
         "STRICT_SPREAD puts each worker on its own node.")
-    max_failures: int = Field(0, ge=0, description="Worker-group failures Ray restarts the stage after (it "
-                              "resumes from the newest complete checkpoint); 0: the first fails the stage.")
+    max_failures: int = Field(0, ge=0, description="Worker-group failures after which the driver starts the "
+                              "workers again (the stage resumes from its newest complete checkpoint); 0: the "
+                              "first fails the stage.")
     runtime_env: dict | None = Field(None, description="Ray's runtime environment for nodes that lack the "
                                      "code, e.g. {working_dir: ., pip: [...]}; null: the nodes have vlmexp "
                                      "installed.")
@@ -408,7 +409,7 @@ class LaunchConfig(Section):
 
     launcher: Literal["local", "torchrun", "accelerate", "deepspeed", "ray"] = Field(
         "local", description="local: one process; torchrun, "
-        "accelerate or deepspeed: their launcher around it; ray: Ray Train workers on the cluster at "
+        "accelerate or deepspeed: their launcher around it; ray: Ray workers on the cluster at "
         "launch.ray.address.")
     ray: RayLaunchConfig | None = Field(None, description="launcher ray: the cluster, the workers and their "
                                         "resources.")
