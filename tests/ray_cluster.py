@@ -37,8 +37,8 @@ class RayTestCluster:
     processes at once (the raylet's maximum_startup_concurrency is min(CPUs declared, cores)), so with one
     CPU a node starts a run's controller, workers and helper actors one after the other."""
 
-    def __init__(self, cpus: int = 1, grpc_env: bool = True):
-        self.cpus, self.grpc_env = cpus, grpc_env
+    def __init__(self, cpus: int = 1, grpc_env: bool = True, env: dict[str, str] | None = None):
+        self.cpus, self.grpc_env, self.env = cpus, grpc_env, env or {}
         # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
         self.temp = Path(tempfile.mkdtemp(prefix="vr", dir="/tmp"))
         self.port, self.client_port, self.dashboard_port = free_port(), free_port(), free_port()
@@ -62,7 +62,7 @@ class RayTestCluster:
         # exists (a local `ray.init()` writes it) and leaves it off for `ray start --address`, so node b would
         # be refused on a machine where Ray ran before; a mode the user set stays
         env = {"RAY_AUTH_MODE": "disabled", **os.environ, **(GRPC_ENV if self.grpc_env else {}),
-               "RAY_USAGE_STATS_ENABLED": "0"}
+               "RAY_USAGE_STATS_ENABLED": "0", **self.env}
         # the ports Ray would otherwise take at fixed defaults (the dashboard agent's 52365), which another
         # cluster on the machine may hold
         ports = [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]

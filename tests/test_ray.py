@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_BATCHES, as_a_terminal_job
-from tests.ray_cluster import free_port, ray_test_cluster
+from tests.ray_cluster import RayTestCluster, free_port, ray_test_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs/demo.yaml")
@@ -220,6 +220,29 @@ def test_an_output_folder_a_node_cannot_see_is_refused_naming_the_node_and_the_p
     assert said[1].startswith(str(hidden / "out" / ".vlmexp-ray-marker-")), err
     assert "mount the same shared folder at the same path on every node" in err, err
     assert not list((hidden / "out").glob(".vlmexp-ray-marker-*"))  # the marker removed
+
+
+@pytest.mark.slow
+def test_a_cluster_with_token_authentication_refuses_a_machine_without_its_token(tmp_path, vlmexp_main):
+    """A head started with Ray's token authentication (RAY_AUTH_MODE=token, its token in RAY_AUTH_TOKEN):
+    `vlmexp validate` from a machine without the token says the cluster refused it and how to give it the
+    token; with the token, it passes. (Where ~/.ray/auth_token exists, Ray itself sends that token.)"""
+    token = "0f" * 32
+    head = RayTestCluster(env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    one = ["launch.launcher=ray", f"launch.ray={json.dumps({'address': head.gcs, 'num_workers': 1})}"]
+    try:
+        head.start_head()
+        rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", *one,
+                                 RAY_AUTH_MODE="disabled", RAY_AUTH_TOKEN="")
+        assert rc == 2, err
+        assert f"the cluster at {head.gcs} refused this machine's connection: it uses Ray's token " \
+               "authentication" in err, err
+        assert "RAY_AUTH_MODE=token with RAY_AUTH_TOKEN" in err and "launch.ray" in err, err
+        rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", *one,
+                                 RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        assert rc == 0, err
+    finally:
+        head.stop()
 
 
 def test_dry_run_prints_the_driver_and_what_it_submits(vlmexp_main):

@@ -124,14 +124,28 @@ def connected_problems(ray_cfg: RayLaunchConfig, folder: Path | None) -> list[st
     return problems
 
 
-def connect(ray_cfg: RayLaunchConfig) -> None:
-    """This process as a driver of the cluster at launch.ray.address (with its runtime environment)."""
+def connect(ray_cfg: RayLaunchConfig) -> str | None:
+    """This process as a driver of the cluster at launch.ray.address (with its runtime environment): None, or
+    why the cluster refused it."""
     import logging
 
     import ray
 
-    ray.init(address=ray_cfg.address, runtime_env=ray_cfg.runtime_env, log_to_driver=True,
-             logging_level=logging.WARNING, configure_logging=False)
+    try:
+        ray.init(address=ray_cfg.address, runtime_env=ray_cfg.runtime_env, log_to_driver=True,
+                 logging_level=logging.WARNING, configure_logging=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        chain = [e]  # ray.init wraps the GCS client's AuthenticationError (in its text) in two more errors
+        while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        if not any(isinstance(c, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(c)
+                   for c in chain):
+            raise
+        return (f"the cluster at {ray_cfg.address} refused this machine's connection: it uses Ray's token "
+                "authentication, and this machine has no token or not the cluster's (InvalidAuthToken): give "
+                "this machine the cluster's token (RAY_AUTH_MODE=token with "
+                "RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, or the head's ~/.ray/auth_token copied here)")
+    return None
 
 
 def check_ray_launch(cfg: Config) -> list[tuple[tuple[str, ...], Any, str]]:
@@ -156,8 +170,9 @@ def check_ray_launch(cfg: Config) -> list[tuple[tuple[str, ...], Any, str]]:
 
 if __name__ == "__main__":  # the child process of check_ray_launch: the problems as a JSON list
     _cfg = RayLaunchConfig.model_validate_json(sys.argv[1])
-    connect(_cfg)
-    print(json.dumps(connected_problems(_cfg, Path(sys.argv[2]) if sys.argv[2] else None)))
+    _refused = connect(_cfg)
+    _folder = Path(sys.argv[2]) if sys.argv[2] else None
+    print(json.dumps([_refused] if _refused else connected_problems(_cfg, _folder)))
 
 
 def ray_dir(cfg: Config, stage: str) -> Path:

@@ -71,7 +71,9 @@ def main(argv: list[str]) -> int:
     if problem := ray_missing() or address_problem(ray_cfg.address):
         print(f"error: launch.ray: {problem}", file=sys.stderr)
         return 2
-    connect(ray_cfg)
+    if refused := connect(ray_cfg):
+        print(f"error: launch.ray.address: {refused}", file=sys.stderr)
+        return 2
     folder = ray_dir(cfg, args.stage)
     if problems := connected_problems(ray_cfg, Path(cfg.run.output_dir)):
         print("error: launch.ray:\n  - " + "\n  - ".join(problems), file=sys.stderr)
@@ -211,9 +213,7 @@ class WorkerGroup:
                 try:
                     values[i] = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    lost = isinstance(e, ray.exceptions.RayActorError)
-                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    return Failure(f"{who} {'was lost' if lost else 'raised'} while {doing}: {first}")
+                    return Failure(f"{who} {_what_went_wrong(e)} while {doing}")
                 if names and values[i] != 0:
                     return Failure(f"{who}: vlmexp train exited with code {values[i]}",
                                    refused=values[i] == REFUSED)
@@ -227,6 +227,17 @@ class WorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.pg)
+
+
+def _what_went_wrong(e: Exception) -> str:
+    """`e` (from a worker's call) in one line: the worker lost, or the exception its call raised."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayActorError):
+        return f"was lost ({' '.join(str(e).split())[:300]})"
+    cause = getattr(e, "cause", None)  # a RayTaskError's own exception
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    return f"raised {' '.join(text.split())[:300]}"
 
 
 def rank_environments(places: list[dict]) -> tuple[list[dict[str, str]], list[int]]:
