@@ -366,3 +366,32 @@ def _left_of(cluster, job: str) -> list:
     groups = [g for g in list_placement_groups(address=cluster.dashboard, detail=True)
               if g.creator_job_id == job and g.state != "REMOVED"]
     return actors + groups
+
+
+def _place(node: str, gpus: list[str], port: int = 0) -> dict:
+    return {"node_id": node, "host": node, "node_ip": f"10.0.0.{node[-1]}", "port": port, "gpu_ids": gpus}
+
+
+def test_ranks_go_node_by_node_and_each_worker_trains_on_its_own_gpu():
+    """The workers' torchrun environment from where Ray placed them (no cluster needed): ranks node by node
+    and by GPU, rank 0's node and port as the rendezvous, every GPU of a node visible to its workers and each
+    worker's own named for accelerate, also where two workers share a GPU."""
+    from vlmexp.ray_launch import rank_environments
+
+    places = [_place("n2", ["1"]), _place("n1", ["3"]), _place("n2", ["0"], port=29511), _place("n1", ["2"])]
+    envs, ranks = rank_environments(places)
+    assert ranks == [1, 3, 0, 2]  # node n2 first (the first bundle's), then by GPU within a node
+    assert [envs[i]["LOCAL_RANK"] for i in range(4)] == ["1", "1", "0", "0"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.2", "29511")}
+    assert [envs[i]["NODE_RANK"] for i in range(4)] == ["0", "1", "0", "1"]
+    assert [envs[i]["CUDA_VISIBLE_DEVICES"] for i in range(4)] == ["0,1", "2,3", "0,1", "2,3"]
+    assert [envs[i]["ACCELERATE_TORCH_DEVICE"] for i in range(4)] == ["cuda:1", "cuda:1", "cuda:0", "cuda:0"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+
+    shared = [_place("n1", ["0"]), _place("n1", ["0"]), _place("n1", ["1"]), _place("n1", ["1"])]
+    envs, _ = rank_environments(shared)  # gpus_per_worker 0.5: two workers on each GPU
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1"}
+    assert [e["ACCELERATE_TORCH_DEVICE"] for e in envs] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+
+    envs, _ = rank_environments([_place("n1", []), _place("n2", [])])  # CPU workers
+    assert not any("CUDA_VISIBLE_DEVICES" in e or "ACCELERATE_TORCH_DEVICE" in e for e in envs)

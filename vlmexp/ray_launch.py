@@ -243,8 +243,10 @@ def _what_went_wrong(e: Exception) -> str:
 def rank_environments(places: list[dict]) -> tuple[list[dict[str, str]], list[int]]:
     """Each worker's torch.distributed environment as torchrun gives its ranks, and each worker's rank: ranks
     node by node (nodes in the order of their first bundle), by GPU within a node; rank 0's node serves the
-    rendezvous at the port its worker found free; CUDA_VISIBLE_DEVICES on a node lists every GPU of its
-    workers, so LOCAL_RANK picks a worker's own (as on a torchrun node)."""
+    rendezvous at the port its worker found free. On a node with GPUs, CUDA_VISIBLE_DEVICES lists every GPU
+    of its workers (as on a torchrun node, so NCCL sees its peers) and ACCELERATE_TORCH_DEVICE names the
+    worker's own among them, which accelerate (so TRL) trains on: LOCAL_RANK alone would pick another GPU
+    where workers share one (gpus_per_worker below 1)."""
     nodes: dict[str, int] = {}
     for p in places:
         nodes.setdefault(p["node_id"], len(nodes))
@@ -258,9 +260,10 @@ def rank_environments(places: list[dict]) -> tuple[list[dict[str, str]], list[in
                "LOCAL_WORLD_SIZE": str(len(local)), "NODE_RANK": str(nodes[p["node_id"]]),
                "GROUP_RANK": str(nodes[p["node_id"]]), "MASTER_ADDR": master["node_ip"],
                "MASTER_PORT": str(master["port"])}
-        gpus = [g for j in local for g in places[j]["gpu_ids"]]
+        gpus = list(dict.fromkeys(g for j in local for g in places[j]["gpu_ids"]))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env["ACCELERATE_TORCH_DEVICE"] = f"cuda:{gpus.index(p['gpu_ids'][0])}"
         envs.append(env)
     return envs, ranks
 
