@@ -187,6 +187,30 @@ def test_a_lost_node_resumes_and_each_stop_signal_leaves_nothing_on_the_cluster(
 
 
 @pytest.mark.slow
+def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path, run_inputs):
+    """launch.ray.runtime_env {working_dir: JOB}, for nodes that lack the code: Ray uploads JOB, and each
+    worker runs in its unpacked copy (not the driver's folder) and imports a reward module found only there;
+    GRPO completes a step with it."""
+    job, out, where = tmp_path / "job", tmp_path / "out", tmp_path / "where.txt"
+    job.mkdir()
+    (job / "job_rewards.py").write_text(
+        "import os\n\n\ndef where(prompts=None, completions=(), **kwargs):\n"
+        "    with open(os.environ['VLMEXP_TEST_WHERE'], 'a') as f:\n"
+        "        f.write(os.getcwd() + '\\n')\n"
+        "    return [0.0 for _ in completions]\n")
+    carried = {"working_dir": str(job), "env_vars": {"VLMEXP_TEST_WHERE": str(where)}}
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", DEMO,
+                        f"run.output_dir={out}", *STEPS, "grpo.args.max_steps=1", "tracking.backend=none",
+                        "grpo.rewards=[{name: 'job_rewards:where'}]",
+                        *on_ray(cluster.gcs, runtime_env=carried), *run_inputs(out)], cwd=job,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    places = set(where.read_text().split())
+    assert places and all("working_dir_files" in p and Path(p) != job for p in places), places
+    assert (out / "grpo" / "final").is_dir()
+
+
+@pytest.mark.slow
 def test_asking_more_than_the_cluster_has_is_refused_before_any_work(cluster, tmp_path, vlmexp_main):
     """`vlmexp validate`: GPUs, CPUs and a custom resource beyond the cluster's totals, and more nodes than
     it has for STRICT_SPREAD, each named with both figures."""
