@@ -35,7 +35,8 @@ def free_port() -> int:
 class RayTestCluster:
     """`cpus`: the CPUs each of node a and b declares. Ray starts at most that many of a node's worker
     processes at once (the raylet's maximum_startup_concurrency is min(CPUs declared, cores)), so with one
-    CPU a node starts a run's controller, workers and helper actors one after the other."""
+    CPU a node starts its worker processes one after the other. `grpc_env`: the nodes run with GRPC_ENV
+    (Ray Client's server needs it here). `env`: more environment for the nodes (e.g. RAY_AUTH_MODE)."""
 
     def __init__(self, cpus: int = 1, grpc_env: bool = True, env: dict[str, str] | None = None):
         self.cpus, self.grpc_env, self.env = cpus, grpc_env, env or {}

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "workers.json").unlink(missing_ok=True)  # an earlier run's: this run's are written once placed
     run = {"address": ray_cfg.address, "job_id": ray.get_runtime_context().get_job_id(), "run_name": name,
-           "nodes": sum(1 for n in ray.nodes() if n["Alive"]), "storage": str(folder)}
+           "nodes": sum(1 for n in ray.nodes() if n["Alive"])}
     (folder / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     marker = write_marker(Path(cfg.run.output_dir))
     work = {"argv": list(argv), "cwd": os.getcwd(), "marker": str(marker),
@@ -138,9 +139,12 @@ def _drive(ray_cfg: RayLaunchConfig, work: dict[str, Any], folder: Path, stops: 
               "checkpoint", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
 class Failure:
-    def __init__(self, what: str, refused: bool = False):
-        self.what, self.refused = what, refused
+    """What ended a worker group: said in one line; `refused`: the stage refused before any work."""
+
+    what: str
+    refused: bool = False
 
 
 class WorkerGroup:
@@ -198,7 +202,8 @@ class WorkerGroup:
                 said = time.monotonic()
         return False
 
-    def _gather(self, refs: list, stops: list[int], doing: str, names: list[str] | None = None):
+    def _gather(self, refs: list, stops: list[int], doing: str,
+                names: list[str] | None = None) -> list | Failure | None:
         """Every ref's value in order, or a Failure as soon as one worker is lost, raises or (`names` given:
         its stage's run) returns an exit code other than 0 (the others are then ended with the group); None
         when a stop signal came first."""
