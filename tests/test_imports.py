@@ -88,11 +88,12 @@ FLOORS = (
     # the configuration's ground floor (schema, YAML, TRL arguments, reference) and generic path predicates
     ("vlmexp.config", "vlmexp.paths"),
     # what reads a config or a family: data, rule-based rewards, the tools a model calls (the zoom),
-    # processors, tiny models, launchers (a Ray cluster's checks among them), results
-    ("vlmexp.data", "vlmexp.rewards", "vlmexp.tools", "vlmexp.processor", "vlmexp.tiny", "vlmexp.launch",
+    # processors, launchers (a Ray cluster's checks among them), results
+    ("vlmexp.data", "vlmexp.rewards", "vlmexp.tools", "vlmexp.processor", "vlmexp.launch",
      "vlmexp.ray_cluster", "vlmexp.results", "vlmexp.summary"),
-    # prompts from records, pictures of boxes and of zooms, loading models
-    ("vlmexp.prompts", "vlmexp.pictures", "vlmexp.zoom_pictures", "vlmexp.modeling"),
+    # prompts from records, pictures of boxes and of zooms, tiny models (their tokenizer may learn a tool's
+    # block), loading models
+    ("vlmexp.prompts", "vlmexp.pictures", "vlmexp.zoom_pictures", "vlmexp.tiny", "vlmexp.modeling"),
     # the one generation engine
     ("vlmexp.generation",),
     # rewards computed by a model (a judge generates through the engine); they build on vlmexp.rewards' base

@@ -82,3 +82,21 @@ def test_tiny_path_in_config_builds_once(tmp_path):
     assert resolve_model(cfg, tmp_path)[0] == path
     assert (len(list((tmp_path / "models").iterdir())) == 1
             and (tmp_path / "models").stat().st_mtime_ns == stamp)
+
+
+def test_a_tokenizer_that_learns_the_zoom_tools_block_renders_it_in_under_half_the_tokens():
+    from vlmexp.families import get_family
+    from vlmexp.tiny import TinySpec, _tools_block, build_tokenizer
+
+    for name in ("qwen2_5_vl", "qwen3_vl"):
+        family = get_family(name)
+        plain = build_tokenizer(family, TinySpec())
+        learned = build_tokenizer(family, TinySpec(corpus_tools=["zoom"]))
+        block = _tools_block(family, build_tokenizer(family, TinySpec()), ["zoom"])
+        assert '"name": "image_zoom_in_tool"' in block and "<tools>" in block
+        assert len(learned(block)["input_ids"]) < 0.5 * len(plain(block)["input_ids"]), name
+        # the rest is the same tokenizer: template, special tokens, every digit its own token
+        assert learned.chat_template == plain.chat_template
+        assert learned.all_special_tokens == plain.all_special_tokens
+        assert [learned.decode([t]) for t in learned("x=2024")["input_ids"][-4:]] == ["2", "0", "2", "4"]
+        assert learned.decode(learned(block)["input_ids"]) == block

@@ -31,14 +31,16 @@ def scene(path: Path):
     return image
 
 
-def write_records(folder: Path, scripts: list[str]) -> Path:
-    """One VLM-R1 conversations record per script name, each on the same scene, answer 'red'."""
+def write_records(folder: Path, scripts: list[str], bbox: bool = False) -> Path:
+    """One VLM-R1 conversations record per script name, each on the same scene, answer 'red' (with the
+    target's box, V*-style, where `bbox`)."""
     folder.mkdir(parents=True, exist_ok=True)
     scene(folder / "scene.png")
     return write_jsonl(folder / "records.jsonl", [
         {"image": "scene.png", "accu_reward_method": "all_match", "conversations": [
             {"from": "human", "value": f"<image>What colour is the square? [script:{name}]"},
-            {"from": "gpt", "value": "red"}]} for name in scripts])
+            {"from": "gpt", "value": "red"}], **({"bbox": list(TARGET)} if bbox else {})}
+        for name in scripts])
 
 
 def tool_cfg(out: Path, model: Path, records: Path, *overrides: str):
@@ -235,7 +237,7 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     from vlmexp.scoring import tool_modes
     from vlmexp.zoom_pictures import ZOOM_COLOURS
 
-    records_file = write_records(tmp_path / "data", ["zoom", "outside", "forever"])
+    records_file = write_records(tmp_path / "data", ["zoom", "outside", "forever"], bbox=True)
     cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records_file, "eval.max_new_tokens=120",
                    "eval.pictures=3")
     assert tool_modes(cfg) == ("off", "on")  # eval.tools: auto, with grpo.tools on
@@ -260,6 +262,7 @@ def test_evaluation_with_the_tool_scores_the_final_answers_and_draws_the_zooms(t
     assert metrics["tool_exact_accuracy"] == pytest.approx(2 / 3)
     assert metrics["tool_zooms_per_answer"] == pytest.approx(3 / 3)
     assert metrics["tool_zoomed_share"] == pytest.approx(2 / 3)
+    assert metrics["tool_zoom_on_target"] == pytest.approx(2 / 3)  # both that zoomed cropped the whole TARGET
     assert (metrics["tool_zoom_outside"], metrics["tool_zoom_unanswered"]) == (1, 1)
     assert metrics["tool_reward_tool"] == pytest.approx(1 / 3)  # zoomed and right: the "zoom" record
     rows = {r["problem"].split("[script:")[1][:-1]: r

@@ -82,6 +82,18 @@ def test_zoom_counts_and_the_tool_reward_read_the_conversation():
         completions=[zoomed, wrong], solution=["red"] * 2, task=["exact"] * 2) == [1.0, 0.0]
 
 
+def test_zoom_on_target_counts_records_whose_zooms_hold_the_whole_target():
+    from vlmexp.tools.zoom import ZoomCounts, answer_zoom_metrics
+
+    target = [40, 40, 60, 60]
+    crops = [[[0, 0, 112, 112]], [[0, 0, 50, 112], [30, 30, 70, 70]], [[0, 0, 59, 112]], [], [[0, 0, 9, 9]]]
+    counts = [ZoomCounts(zooms=len(c)) for c in crops]
+    metrics = answer_zoom_metrics(counts, crops, [target, target, target, target, None])
+    # held whole by one crop, by the second of two, cut by a pixel, no zoom; the last record has no box
+    assert metrics == {"zooms_per_answer": 5 / 5, "zoomed_share": 4 / 5, "zoom_on_target": 2 / 4}
+    assert "zoom_on_target" not in answer_zoom_metrics(counts[:1], crops[:1], [None])
+
+
 def test_qwen2_5_vl_tool_template_renders_tools_calls_and_tool_images(tiny_models):
     from trl.chat_template_utils import (
         get_training_chat_template,

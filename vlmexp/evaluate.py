@@ -155,7 +155,8 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
                         out: Path) -> dict[str, float]:
     """`tool_<metric>` for the records answered with grpo.tools' tools (each record's own zoom environment, at
     most grpo.tools.max_turns calls): the same scorers on each conversation's final answer, plus
-    tool_zooms_per_answer, tool_zoomed_share and per-problem counts of the calls (tool_zoom_malformed, ...).
+    tool_zooms_per_answer, tool_zoomed_share, tool_zoom_on_target (records with the target's box) and
+    per-problem counts of the calls (tool_zoom_malformed, ...).
     Writes samples_tool.jsonl (each record's final answer, its zoom boxes in original pixels, its
     conversation's turns) and the first eval.pictures records drawn with their zooms (pictures_tool/)."""
     from vlmexp.data.record import columns_of
@@ -165,7 +166,7 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     from vlmexp.rewards import completion_text
     from vlmexp.rewards_loader import build_reward
     from vlmexp.tools import environment_factory
-    from vlmexp.tools.zoom import zoom_counts
+    from vlmexp.tools.zoom import answer_zoom_metrics, zoom_counts
     from vlmexp.zoom_pictures import write_zoom_pictures
 
     family, processor = generator.family, generator.processor
@@ -186,10 +187,8 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     scores = tool_reward(completions=conversations, **columns_of(records))
     metrics["reward_tool"] = sum(s or 0.0 for s in scores) / max(1, len(scores))
     counts = [zoom_counts(c) for c in conversations]
-    n = max(1, len(counts))
-    metrics.update(zooms_per_answer=sum(c.zooms for c in counts) / n,
-                   zoomed_share=sum(c.zooms > 0 for c in counts) / n,
-                   zoom_malformed=float(sum(c.malformed for c in counts)),
+    metrics.update(answer_zoom_metrics(counts, [e.crops for e in environments], [r.box for r in records]))
+    metrics.update(zoom_malformed=float(sum(c.malformed for c in counts)),
                    zoom_outside=float(sum(c.problems.get("outside", 0) for c in counts)),
                    zoom_unanswered=float(sum(c.unanswered for c in counts)))
     for row, prompt, environment, conversation in zip(rows, prompts, environments, conversations,

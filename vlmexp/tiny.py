@@ -86,7 +86,33 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
 
 
 def build_tokenizer(family: Family, spec: TinySpec):
-    """A Qwen2Tokenizer with locally trained merges, the family's special tokens and chat template."""
+    """A Qwen2Tokenizer with locally trained merges, the family's special tokens and chat template. With
+    `spec.corpus_tools`, the merges also learn those tools' block as the family's tool template renders it
+    (trained once without it, to render it)."""
+    corpus = _corpus(spec.seed)
+    if not spec.corpus_tools:
+        return _tokenizer(family, spec, corpus)
+    block = _tools_block(family, _tokenizer(family, spec, corpus), spec.corpus_tools)
+    return _tokenizer(family, spec, corpus + [block] * _TOOLS_BLOCK_LINES)
+
+
+_TOOLS_BLOCK_LINES = 400  # the block's share of the corpus: ~230 tokens left of its ~550 at vocab_size 1024
+
+
+def _tools_block(family: Family, tokenizer, names) -> str:
+    """The system turn `family`'s tool template renders for the tools `names`: what GRPO's rollouts and SFT's
+    tool demonstrations open with (`tokenizer` is changed: a throwaway)."""
+    from types import SimpleNamespace
+
+    from vlmexp.config.stages import ToolsConfig
+    from vlmexp.tools import offered_tools
+
+    family.use_tools(SimpleNamespace(tokenizer=tokenizer))
+    tools = offered_tools(ToolsConfig(names=list(names)), family, family.released_budget({}))
+    return tokenizer.apply_chat_template([{"role": "user", "content": ""}], tools=tools, tokenize=False)
+
+
+def _tokenizer(family: Family, spec: TinySpec, corpus: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -105,7 +131,7 @@ def build_tokenizer(family: Family, spec: TinySpec):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    bpe.train_from_iterator(corpus, trainer=trainer)
     state = json.loads(bpe.to_str())["model"]
     merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in state["merges"]]
 

@@ -139,6 +139,25 @@ def zoom_counts(completion: Any) -> ZoomCounts:
     return counts
 
 
+def holds(crop: list[int], box: list[float]) -> bool:
+    """Whether `crop` holds the whole of `box` (both in original pixels)."""
+    return crop[0] <= box[0] and crop[1] <= box[1] and crop[2] >= box[2] and crop[3] >= box[3]
+
+
+def answer_zoom_metrics(counts: list[ZoomCounts], crops: list[list[list[int]]],
+                        boxes: list[list[float] | None]) -> dict[str, float]:
+    """Evaluation's and validation's zoom metrics over one conversation a record: zooms_per_answer,
+    zoomed_share and, where records carry the target's box (V*-style `bbox`), zoom_on_target: the share of
+    those whose zooms include one that holds the whole target."""
+    n = max(1, len(counts))
+    metrics = {"zooms_per_answer": sum(c.zooms for c in counts) / n,
+               "zoomed_share": sum(c.zooms > 0 for c in counts) / n}
+    boxed = [(shown, box) for shown, box in zip(crops, boxes, strict=True) if box is not None]
+    if boxed:
+        metrics["zoom_on_target"] = sum(any(holds(c, box) for c in shown) for shown, box in boxed) / len(boxed)
+    return metrics
+
+
 def replayed_zooms(completion: Any, width: int, height: int, frame: str, budget,
                    min_side: int) -> list[list[int]]:
     """The crops (original pixels, in order) a completion's calls got back, found again from its calls: each

@@ -197,13 +197,13 @@ class Validation(TrainerCallback):
         return logs
 
     def validate_tools(self, generator) -> dict[str, float]:
-        """val/tool_<metric>, val/tool_zooms_per_answer, val/tool_zoomed_share: one conversation per held-out
-        record with grpo.tools' tools (each record's own environment), scored as evaluation with the tool
-        scores (`vlmexp.evaluate.evaluate_with_tools`); each record's row and zoom boxes kept for the
-        pictures."""
+        """val/tool_<metric>, val/tool_zooms_per_answer, val/tool_zoomed_share, val/tool_zoom_on_target: one
+        conversation per held-out record with grpo.tools' tools (each record's own environment), scored as
+        evaluation with the tool scores (`vlmexp.evaluate.evaluate_with_tools`); each record's row and zoom
+        boxes kept for the pictures."""
         from vlmexp.rewards import completion_text
         from vlmexp.tools import environment_factory
-        from vlmexp.tools.zoom import zoom_counts
+        from vlmexp.tools.zoom import answer_zoom_metrics, zoom_counts
 
         held, ev, tools = self.held_out, self.cfg.eval, self.cfg.grpo.tools
         make = environment_factory(tools, held.family, held.family.image_budget(generator.processor))
@@ -214,8 +214,8 @@ class Validation(TrainerCallback):
                                            ev.max_new_tokens, ev.during_training_temperature, ev.batch_size)
         metrics, rows = held.score([completion_text(c) for c in conversations])
         counts = [zoom_counts(c) for c in conversations]
-        metrics.update(zooms_per_answer=sum(c.zooms for c in counts) / max(1, len(counts)),
-                       zoomed_share=sum(c.zooms > 0 for c in counts) / max(1, len(counts)))
+        metrics.update(answer_zoom_metrics(counts, [e.crops for e in environments],
+                                           [r.box for r in held.records]))
         self.zoomed = [(row, list(e.crops)) for row, e in zip(rows, environments, strict=True)]
         return {f"{PREFIX}tool_{k}": v for k, v in metrics.items() if k != "count"}
 
