@@ -147,3 +147,34 @@ def test_the_zoom_demo_config_runs_sft_grpo_with_the_tool_and_both_evaluations(z
                       Path(cfg.run.output_dir) / "eval")
     assert result.metrics["count"] == 4
     assert {"exact_accuracy", "tool_exact_accuracy", "tool_zooms_per_answer"} <= set(result.metrics)
+
+
+def test_direct_answers_are_rendered_without_the_tools_block_beside_the_demonstrations(tmp_path):
+    """data.zoom_demo.direct: records answered without the tool. In a batch with zoom demonstrations, each
+    demonstration opens with the tools block and each direct answer has none (as evaluation without the tool
+    prompts); every row is what the template renders for it alone, and the images stay with their rows."""
+    import torch
+
+    from vlmexp.train.sft import build_sft_trainer
+
+    cfg = load_config(REPO / "configs/demo_zoom.yaml", [
+        f"run.output_dir={tmp_path}", "data.zoom_demo.train=12", "data.zoom_demo.val=2",
+        "data.zoom_demo.direct=0.5", "tracking.backend=none"])
+    trainer, inputs, _ = build_sft_trainer(cfg)
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    tools = [r for r in rows if any(m["role"] == "tool" for m in r["messages"])]
+    direct = [r for r in rows if r not in tools]
+    assert tools and direct
+    tokenizer = inputs.processor.tokenizer
+    alone = [trainer.data_collator([r]) for r in (direct[0], tools[0])]
+    batch = trainer.data_collator([direct[0], tools[0]])  # rendered demonstrations first
+    texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in batch["input_ids"]]
+    assert "<tools>" in texts[0] and "<tool_response>" in texts[0], texts[0]
+    assert "<tools>" not in texts[1] and "<tool_call>" not in texts[1], texts[1]
+    for row, single in zip(batch["input_ids"], (alone[1], alone[0]), strict=True):
+        kept = row[row != tokenizer.pad_token_id]
+        assert torch.equal(kept, single["input_ids"][0][single["input_ids"][0] != tokenizer.pad_token_id])
+    assert torch.equal(batch["pixel_values"], torch.cat([alone[1]["pixel_values"], alone[0]["pixel_values"]]))
+    assert batch["image_grid_thw"].shape[0] == 3  # the demonstration's image and crop, the direct answer's
+    labels = batch["labels"][1][batch["labels"][1] != -100]
+    assert tokenizer.decode(labels).startswith("<think>The square is too small to see.</think><answer>")

@@ -112,8 +112,8 @@ class TinyModelConfig(Section):
     corpus_tools: list[Literal["zoom"]] = Field(
         [], description="Tools whose block (the chat template's tools section, as grpo.tools shows them) the "
         "BPE merges also learn: with [zoom] the zoom tool's block is ~230 tokens instead of ~550, so each "
-        "sample of a config that offers the tool is that much shorter. []: the pipeline's prompts and answers "
-        "only.")
+        "sample of a config that offers the tool is that much shorter. []: the pipeline's prompts and "
+        "answers only.")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -289,6 +289,15 @@ class ZoomDemoConfig(Section):
         "of this share of the image side instead, the one of a grid of windows (half a window apart) whose "
         "centre is nearest the target's: a coarse zoom, as a person looking for a detail first halves the "
         "picture. A window shown at or above its own resolution keeps the target's pattern.")
+    annotator_centred: bool = Field(
+        False, description="With annotator_window: the window centred on the target instead (moved inside "
+        "the image, its corners on even pixels so that the crop keeps the checkerboard's phase), so the "
+        "call's numbers follow the target's place as a grounding box does; false: the grid's window nearest "
+        "it.")
+    direct: float = Field(
+        0, ge=0, lt=1, description="The share of training records that answer without the tool: the question "
+        "and the image, no tools block, the answer (what evaluation without the tool asks; at the budget the "
+        "colour can only be guessed). The rest are zoom-then-answer demonstrations.")
 
     @field_validator("target")
     @classmethod

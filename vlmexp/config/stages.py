@@ -248,8 +248,8 @@ class EvalConfig(Section):
     tools: Literal["auto", "on", "off", "both"] = Field(
         "auto", description="Evaluate with the tools grpo.tools offers (on: the model may call them, at most "
         "grpo.tools.max_turns times a record), without them (off), or both (metrics with the tool prefixed "
-        "tool_: tool_exact_accuracy, tool_zooms_per_answer, tool_zoomed_share, tool_zoom_on_target: the share "
-        "of records with the target's box whose zooms hold it whole). auto: both when grpo.tools "
+        "tool_: tool_exact_accuracy, tool_zooms_per_answer, tool_zoomed_share, tool_zoom_on_target: the "
+        "share of records with the target's box whose zooms hold it whole). auto: both when grpo.tools "
         "names a tool, else off.")
     during_training_pictures: int = Field(4, ge=0, le=64, description="At each validation during training "
         "(eval.every_steps), log the first N held-out records with the current model's box as MLflow images "

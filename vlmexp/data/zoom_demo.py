@@ -10,11 +10,12 @@ the budget, so the model can see where to zoom.
 
 Training records are zoom-then-answer demonstrations in TRL's tool-calling layout: the question and the image,
 the assistant's `image_zoom_in_tool` call with a loose annotator's box (each edge pushed out by `loose` of the
-target's side, then moved by up to `jitter`; or the window of a coarse grid nearest the target, `window`),
-written in the family's box frame; the tool turn with the crop,
-made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. Every record carries the answer
-(`solution`) and the target's exact box (`bbox`, original pixels). Held-out records are V*-style
-{image, question, answer, bbox}. Deterministic for a seed and a frame.
+target's side, then moved by up to `jitter`; or a window of `window` x the side, the one of a coarse grid
+nearest the target or the one centred on it, `centred`), written in the family's box frame; the tool turn
+with the crop, made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. A share `direct`
+answers without the tool instead (no tools block: what evaluation without the tool asks). Every record
+carries the answer (`solution`) and the target's exact box (`bbox`, original pixels). Held-out records are
+V*-style {image, question, answer, bbox}. Deterministic for a seed and a frame.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class ZoomScenes:
     loose: float = 0.5
     jitter: float = 0.15
     window: float = 0.0
+    centred: bool = False
+    direct: float = 0.0  # the share of training records answered without the tool
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def zoom_call(rng: random.Random, box: list[int], scenes: ZoomScenes, frame: Box
     from vlmexp.coords import to_frame
 
     if scenes.window:
-        zoom = window_box(box, scenes.side, scenes.window)
+        zoom = window_box(box, scenes.side, scenes.window, scenes.centred)
     else:
         side = box[2] - box[0]
         out = [scenes.loose + rng.uniform(-scenes.jitter, scenes.jitter) for _ in range(4)]
@@ -104,14 +107,18 @@ def zoom_call(rng: random.Random, box: list[int], scenes: ZoomScenes, frame: Box
     return [int(round(v)) for v in shown]
 
 
-def window_box(box: list[int], side: int, share: float) -> list[float]:
-    """Of the square windows of `share` x `side` whose corners lie on a grid half a window apart (the last
-    one flush with the image's edge), the one whose centre is nearest the centre of `box`."""
+def window_box(box: list[int], side: int, share: float, centred: bool = False) -> list[float]:
+    """The square window of `share` x `side` for `box`: centred on it (`centred`: moved inside the image, its
+    corners on even pixels, the checkerboard's phase), or, of the windows whose corners lie on a grid half a
+    window apart (the last one flush with the image's edge), the one whose centre is nearest the centre of
+    `box`."""
     width = round(share * side)
     step = max(1, width // 2)
     starts = sorted({*range(0, side - width + 1, step), side - width})
 
     def nearest(centre: float) -> int:
+        if centred:
+            return min(max(0, 2 * round((centre - width / 2) / 2)), (side - width) // 2 * 2)
         return min(starts, key=lambda s: abs(s + width / 2 - centre))
 
     x, y = nearest((box[0] + box[2]) / 2), nearest((box[1] + box[3]) / 2)
@@ -124,6 +131,16 @@ def crop_of(image, call: list[int], frame: BoxFrame):
 
     box = crop_box(call, *image.size, frame.frame, frame.budget, frame.min_crop_side)
     return image.crop(tuple(box))
+
+
+def direct_answer(name: str, colour: str, box: list[int]) -> dict[str, Any]:
+    """A training record answered without the tool (TRL's conversational layout): the colour, which the
+    image at the budget cannot show."""
+    return {"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": f"<think>The square is too small to see.</think><answer>{colour}"
+                                         "</answer>"}],
+        "images": [name], "solution": colour, "bbox": box}
 
 
 def demonstration(name: str, crop_name: str, colour: str, call: list[int], box: list[int]) -> dict[str, Any]:
@@ -149,6 +166,7 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
     with new_folder(out) as tmp:
         (tmp / "images").mkdir()
         rng, noise = random.Random(seed), random.Random(f"zoom-annotator-{seed}")
+        direct = random.Random(f"zoom-direct-{seed}")  # its own draws: the images stay those of `seed`
         for split, count in (("train", train), ("val", val)):
             rows = []
             for i in range(count):
@@ -159,6 +177,9 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
                 image.save(tmp / name)
                 if split == "val":
                     rows.append({"image": name, "question": QUESTION, "answer": colour, "bbox": box})
+                    continue
+                if scenes.direct and direct.random() < scenes.direct:
+                    rows.append(direct_answer(name, colour, box))
                     continue
                 call = zoom_call(noise, box, scenes, frame)
                 crop_name = f"images/{split}_{i:05d}_crop.png"
@@ -200,4 +221,4 @@ def box_frame_of(cfg) -> BoxFrame:
 
 def scenes_of(demo) -> ZoomScenes:
     return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter,
-                      demo.annotator_window)
+                      demo.annotator_window, demo.annotator_centred, demo.direct)

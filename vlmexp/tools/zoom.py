@@ -154,7 +154,8 @@ def answer_zoom_metrics(counts: list[ZoomCounts], crops: list[list[list[int]]],
                "zoomed_share": sum(c.zooms > 0 for c in counts) / n}
     boxed = [(shown, box) for shown, box in zip(crops, boxes, strict=True) if box is not None]
     if boxed:
-        metrics["zoom_on_target"] = sum(any(holds(c, box) for c in shown) for shown, box in boxed) / len(boxed)
+        held = sum(any(holds(c, box) for c in shown) for shown, box in boxed)
+        metrics["zoom_on_target"] = held / len(boxed)
     return metrics
 
 

@@ -50,9 +50,14 @@ def build_sft_trainer(cfg: Config, callbacks: Sequence[Any] = (), mlflow_run_id:
 
 
 class ToolsShown:
-    """A processor whose chat template is always given `tools`, so SFT's tool demonstrations open with the
-    tools block that GRPO's rollouts and evaluation with the tool show (TRL 1.16's
-    DataCollatorForVisionLanguageModeling passes no tools)."""
+    """A processor whose chat template is given `tools` for each conversation that uses them (a tool turn), so
+    SFT's tool demonstrations open with the tools block that GRPO's rollouts and evaluation with the tool
+    show, and records answered without a tool have none, as evaluation without the tool prompts (TRL 1.16's
+    DataCollatorForVisionLanguageModeling passes no tools). A batch of both is rendered as two batches and
+    joined: the demonstrations first, then the rest."""
+
+    # the batch's per-token tensors, and what pads each: the rest (pixel values, grids) concatenate
+    TOKEN_KEYS = {"input_ids": None, "attention_mask": 0, "assistant_masks": 0, "mm_token_type_ids": 0}
 
     def __init__(self, processor: Any, tools: list):
         self._processor, self._tools = processor, tools
@@ -61,4 +66,41 @@ class ToolsShown:
         return getattr(self._processor, name)
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
-        return self._processor.apply_chat_template(conversation, tools=self._tools, **kwargs)
+        if not conversation or not isinstance(conversation[0], list):  # one conversation
+            return self._processor.apply_chat_template(
+                conversation, tools=self._tools if _uses_tools(conversation) else None, **kwargs)
+        shown = [c for c in conversation if _uses_tools(c)]
+        plain = [c for c in conversation if not _uses_tools(c)]
+        if not plain or not shown:
+            return self._processor.apply_chat_template(conversation, tools=self._tools if shown else None,
+                                                       **kwargs)
+        if not kwargs.get("tokenize"):  # texts, in the batch's order
+            return [self.apply_chat_template(c, **kwargs) for c in conversation]
+        return self._joined([self._processor.apply_chat_template(shown, tools=self._tools, **kwargs),
+                             self._processor.apply_chat_template(plain, **kwargs)])
+
+    def _joined(self, parts: list) -> Any:
+        import torch
+        from transformers import BatchFeature
+
+        tokenizer = self._processor.tokenizer
+        width = max(p["input_ids"].shape[1] for p in parts)
+        joined = {}
+        for key in parts[0].keys():
+            tensors = [p[key] for p in parts]
+            if key in self.TOKEN_KEYS:
+                pad = tokenizer.pad_token_id if self.TOKEN_KEYS[key] is None else self.TOKEN_KEYS[key]
+                tensors = [_padded(t, width, pad, tokenizer.padding_side) for t in tensors]
+            joined[key] = torch.cat(tensors)
+        return BatchFeature(joined)
+
+
+def _uses_tools(conversation: list[dict[str, Any]]) -> bool:
+    return any(message.get("role") == "tool" for message in conversation)
+
+
+def _padded(tensor: Any, width: int, value: int, side: str) -> Any:
+    import torch.nn.functional as F
+
+    extra = width - tensor.shape[1]
+    return F.pad(tensor, (extra, 0) if side == "left" else (0, extra), value=value) if extra else tensor
