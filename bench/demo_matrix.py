@@ -204,23 +204,27 @@ def table(out_dir: Path) -> str:
 
 
 def zoom_table(cells: list[dict], out_dir: Path) -> str:
-    """Held-out accuracy of base, SFT and GRPO without the tool and with it, zooms per answer, and the gains
-    with their paired standard errors, one row per cell."""
+    """Held-out accuracy of base, SFT and GRPO without the tool and with it, zooms per answer, the share of
+    records whose zooms held the whole target, and the gains with their paired standard errors, one row per
+    cell."""
     def pair(gain: dict) -> str:
         return f"{gain['gain']:+.3f} ({gain['se']:.3f})"
 
     rows = ["| seed | arithmetic | base: no tool / tool | SFT: no tool / tool | GRPO: no tool / tool "
-            "| zooms per answer, base / SFT / GRPO | GRPO - SFT, tool (paired SE) "
-            "| tool - no tool, GRPO (paired SE) |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| zooms per answer, base / SFT / GRPO | zoom held the target, SFT / GRPO "
+            "| tool - no tool, SFT (paired SE) | tool - no tool, GRPO (paired SE) "
+            "| GRPO - SFT, tool (paired SE) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         m = c["metrics"]
         acc = [f"{m[k]['exact_accuracy']:.3f} / {m[k]['tool_exact_accuracy']:.3f}"
                for k in ("base", "sft", "grpo")]
         zooms = " / ".join(f"{m[k]['tool_zooms_per_answer']:.2f}" for k in ("base", "sft", "grpo"))
-        rows.append(f"| {c['seed']} | {c['arithmetic']} | {' | '.join(acc)} | {zooms} | "
-                    f"{pair(c['tool_gains_over_sft']['grpo'])} | "
-                    f"{pair(c['tool_gains_over_no_tool']['grpo'])} |")
+        held = " / ".join(f"{m[k]['tool_zoom_on_target']:.3f}" for k in ("sft", "grpo"))
+        rows.append(f"| {c['seed']} | {c['arithmetic']} | {' | '.join(acc)} | {zooms} | {held} | "
+                    f"{pair(c['tool_gains_over_no_tool']['sft'])} | "
+                    f"{pair(c['tool_gains_over_no_tool']['grpo'])} | "
+                    f"{pair(c['tool_gains_over_sft']['grpo'])} |")
     machines = sorted({c["machine"] for c in cells})
     threads = sorted({c["threads"] for c in cells})
     folder = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir

@@ -27,20 +27,21 @@ def zoom_run(tmp_path_factory):
     return cfg, read_sampled(prepared.train), read_sampled(prepared.val)
 
 
-def _interior(image, box, scale: float) -> np.ndarray:
-    """The mean colour inside the target's frame of `image` (`box` in original pixels, `scale` the
+def _interior(image, box, scale: float, frame: int) -> np.ndarray:
+    """The mean colour inside the target's `frame` of `image` (`box` in original pixels, `scale` the
     image's)."""
     x1, y1, x2, y2 = (int(round(v * scale)) for v in box)
-    inset = max(1, int(round(3 * scale)))
+    inset = max(1, int(round((frame + 1) * scale)))
     return np.asarray(image, dtype=float)[y1 + inset:y2 - inset, x1 + inset:x2 - inset].reshape(-1, 3).mean(0)
 
 
-def _demodulated(image, box) -> np.ndarray:
+def _demodulated(image, box, frame: int) -> np.ndarray:
     """The colour the target's checkerboard writes (its pixels where x + y is even, in the image's
-    coordinates), read at full resolution."""
+    coordinates), read at full resolution inside its `frame`."""
     x1, y1, x2, y2 = (int(v) for v in box)
     pixels = np.asarray(image, dtype=float)
-    inner = [pixels[y, x] for y in range(y1 + 2, y2 - 2) for x in range(x1 + 2, x2 - 2) if (x + y) % 2 == 0]
+    inner = [pixels[y, x] for y in range(y1 + frame, y2 - frame) for x in range(x1 + frame, x2 - frame)
+             if (x + y) % 2 == 0]
     return np.mean(inner, axis=0)
 
 
@@ -66,7 +67,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
         image, crop = (Image.open(p).convert("RGB") for p in record.images)
         seen = image.resize((112, 112), Image.BICUBIC)  # as the processor shrinks it
-        grey = _interior(seen, record.box, 112 / image.width)
+        grey = _interior(seen, record.box, 112 / image.width, cfg.data.zoom_demo.frame)
         assert np.ptp(grey) < 8, (record.solution, grey)  # every colour the same grey at the budget
         written = record.tool_turns[0]["content"].split("<tool_call>\n")[1]
         call = json.loads(written.split("\n</tool_call>")[0])
@@ -81,7 +82,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         assert {*cropped} <= {0, 56, 112, 168, 224}
         assert cropped[0] <= record.box[0] and cropped[1] <= record.box[1]  # the whole target inside
         assert cropped[2] >= record.box[2] and cropped[3] >= record.box[3]
-        shown = _demodulated(image, record.box)
+        shown = _demodulated(image, record.box, cfg.data.zoom_demo.frame)
         assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1  # the zoom shows the colour
         assert record.target.endswith(f"<answer>{record.solution}</answer>")
         colours.add(record.solution)

@@ -276,8 +276,10 @@ class ZoomDemoConfig(Section):
     seed: int = Field(0, description="Seed of the generated images and demonstrations.")
     side: PositiveInt = Field(448, ge=56, description="Image side in pixels (square images).")
     target: tuple[PositiveInt, PositiveInt] = Field(
-        (24, 32), description="The framed square's side range [low, high] in pixels, its 2-pixel black frame "
+        (24, 32), description="The framed square's side range [low, high] in pixels, its black frame "
         "included.")
+    frame: PositiveInt = Field(2, description="The target's black frame, pixels: what shows where it is at "
+                               "the budget (its colour does not).")
     annotator_loose: float = Field(
         0.5, ge=0, le=2, description="The demonstrations' zoom box pushes each edge outward by this share of "
         "the target's side (a loose annotator); the target's exact box travels with each record as `bbox`.")

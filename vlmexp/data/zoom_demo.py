@@ -33,7 +33,6 @@ from vlmexp.files import new_folder
 # colours and their complements average to (127.5, 127.5, 127.5): no colour survives the shrink
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 QUESTION = "What colour is the small framed square?"
-FRAME = 2  # the target's black frame, pixels
 ZOOM_TOOL = "image_zoom_in_tool"
 
 
@@ -48,6 +47,7 @@ class ZoomScenes:
     window: float = 0.0
     centred: bool = False
     direct: float = 0.0  # the share of training records answered without the tool
+    frame: int = 2  # the target's black frame, pixels
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,16 @@ def make_image(rng: random.Random, scenes: ZoomScenes, colour: str | None = None
     side = rng.randint(*scenes.target)
     x1, y1 = rng.randint(2, scenes.side - side - 2), rng.randint(2, scenes.side - side - 2)
     rgb = COLOURS[colour]
-    inner = side - 2 * FRAME
+    inner = side - 2 * scenes.frame
     patch = Image.new("RGB", (inner, inner))
     complement = tuple(255 - v for v in rgb)
     # the checkerboard's phase is the image's (colour where x + y is even): a crop that starts on an even
     # pixel, as the demonstrations' windows do, shows every colour in one phase, so a patch reads it one way
-    left, top = x1 + FRAME, y1 + FRAME
+    left, top = x1 + scenes.frame, y1 + scenes.frame
     patch.putdata([rgb if (left + i + top + j) % 2 == 0 else complement for j in range(inner)
                    for i in range(inner)])
     framed = Image.new("RGB", (side, side), (0, 0, 0))
-    framed.paste(patch, (FRAME, FRAME))
+    framed.paste(patch, (scenes.frame, scenes.frame))
     image.paste(framed, (x1, y1))
     return image, colour, [x1, y1, x1 + side, y1 + side]
 
@@ -162,6 +162,9 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
         raise ValueError(f"train ({train}) and val ({val}) must be positive counts")
     if scenes.target[1] + 4 > scenes.side:
         raise ValueError(f"target side {scenes.target[1]} does not fit a {scenes.side}-pixel image")
+    if scenes.target[0] <= 2 * scenes.frame + 2:
+        raise ValueError(f"target side {scenes.target[0]} leaves no colour inside a {scenes.frame}-pixel "
+                         "frame: give a larger target or a thinner frame")
     out = Path(out_dir)
     with new_folder(out) as tmp:
         (tmp / "images").mkdir()
@@ -221,4 +224,4 @@ def box_frame_of(cfg) -> BoxFrame:
 
 def scenes_of(demo) -> ZoomScenes:
     return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter,
-                      demo.annotator_window, demo.annotator_centred, demo.direct)
+                      demo.annotator_window, demo.annotator_centred, demo.direct, demo.frame)
