@@ -109,6 +109,10 @@ def test_same_seed_same_data_another_frame_another_folder(zoom_run, tmp_path):
     no_family = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": None})})
     with pytest.raises(ValueError, match="name model.family"):
         box_frame_of(no_family)
+    with pytest.raises(ValueError, match=r"frame 9 leaves no colour inside the smallest target "
+                       r"\(18 pixels\): give target a low side above 20"):
+        load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={tmp_path}", "data.zoom_demo.frame=9",
+                                                      "data.zoom_demo.target=[18, 24]"])
 
 
 @pytest.mark.slow

@@ -308,6 +308,14 @@ class ZoomDemoConfig(Section):
             raise ValueError(f"target {list(value)} needs 8 <= low <= high (pixels, frame included)")
         return value
 
+    @model_validator(mode="after")
+    def _frame(self) -> ZoomDemoConfig:
+        if self.target[0] <= 2 * self.frame + 2:
+            raise ValueError(f"frame {self.frame} leaves no colour inside the smallest target "
+                             f"({self.target[0]} pixels): give target a low side above {2 * self.frame + 2} "
+                             "or a thinner frame")
+        return self
+
 
 class DataConfig(Section):
     datasets: list[DataSource] | None = Field(None, description="Training sources (VLM-R1 YAML entries).")
