@@ -62,13 +62,19 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
     processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
     assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 224 px shrunk to 112: 16 vision tokens
-    colours = set()
+    colours, direct = set(), 0
     for record in train:
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
-        image, crop = (Image.open(p).convert("RGB") for p in record.images)
+        image = Image.open(record.images[0]).convert("RGB")
         seen = image.resize((112, 112), Image.BICUBIC)  # as the processor shrinks it
         grey = _interior(seen, record.box, 112 / image.width, cfg.data.zoom_demo.frame)
         assert np.ptp(grey) < 8, (record.solution, grey)  # every colour the same grey at the budget
+        if not record.tool_turns:  # answered without the tool (data.zoom_demo.direct)
+            assert len(record.images) == 1 and record.target == (
+                f"<think>The square is too small to see.</think><answer>{record.solution}</answer>")
+            direct += 1
+            continue
+        crop = Image.open(record.images[1]).convert("RGB")
         written = record.tool_turns[0]["content"].split("<tool_call>\n")[1]
         call = json.loads(written.split("\n</tool_call>")[0])
         assert call["name"] == "image_zoom_in_tool"
@@ -77,16 +83,18 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
                            28)
         assert np.array_equal(np.asarray(crop), np.asarray(image.crop(tuple(cropped))))  # the tool's crop
         window = from_frame(call["arguments"]["bbox_2d"], image.width, image.height, "pixels", budget)
-        assert [round(v) for v in window] == cropped  # a half-image window on the grid: the crop itself
+        assert [round(v) for v in window] == cropped  # a half-image window: the crop itself
         assert cropped[2] - cropped[0] == cropped[3] - cropped[1] == 112
-        assert {*cropped} <= {0, 56, 112, 168, 224}
+        assert all(v % 2 == 0 for v in cropped)  # on even pixels: the checkerboard's phase
         assert cropped[0] <= record.box[0] and cropped[1] <= record.box[1]  # the whole target inside
         assert cropped[2] >= record.box[2] and cropped[3] >= record.box[3]
+        centre, middle = (record.box[0] + record.box[2]) / 2, (cropped[0] + cropped[2]) / 2
+        assert abs(centre - middle) <= 1 or cropped[0] in (0, 112)  # centred on the target, or at an edge
         shown = _demodulated(image, record.box, cfg.data.zoom_demo.frame)
         assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1  # the zoom shows the colour
         assert record.target.endswith(f"<answer>{record.solution}</answer>")
         colours.add(record.solution)
-    assert colours == set(COLOURS)
+    assert colours == set(COLOURS) and 0 < direct < len(train)
     assert [r.record_format for r in val] == ["vqa"] * 8 and all(r.tool_turns == [] for r in val)
     # the colours take turns: one answer for all scores a quarter
     assert sorted(r.solution for r in val) == sorted([*COLOURS] * 2)
