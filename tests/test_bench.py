@@ -283,6 +283,26 @@ def test_readme_demo_table_is_the_recorded_matrix():
         assert c["metrics"]["grpo"]["rec_acc50"] >= c["metrics"]["sft"]["rec_acc50"]
 
 
+def test_readme_zoom_table_is_the_recorded_matrix():
+    """The README's zoom table is generated from bench/results/demo_zoom/*.json and claims what they show,
+    cell by cell: with the tool the SFT and GRPO models zoom once on every held-out record and the zoom holds
+    the whole target on 40 % or more; they answer better with the tool than without it (by 0.1 and 2 paired SE
+    or more), guess without it, and GRPO answers better than SFT with the tool (by 0.05 and 1.5 paired SE or
+    more)."""
+    cells = _recorded_cells("ZOOM_MARKERS", REPO / "bench" / "results" / "demo_zoom")
+    assert {(c["seed"], c["arithmetic"]) for c in cells} >= {(42, "avx2"), (42, "default")}
+    for c in cells:
+        m, cell = c["metrics"], (c["seed"], c["arithmetic"])
+        assert m["base"]["exact_accuracy"] == m["base"]["tool_exact_accuracy"] == 0.0, cell
+        for stage in ("sft", "grpo"):
+            assert m[stage]["tool_zooms_per_answer"] == 1.0 and m[stage]["tool_zoom_on_target"] >= 0.4, cell
+            assert m[stage]["exact_accuracy"] <= 0.3, cell  # a guess: 0.25 with four colours held out equally
+            gain = c["tool_gains_over_no_tool"][stage]  # with the tool, over the same model without it
+            assert gain["gain"] >= 0.1 and gain["gain"] >= 2 * gain["se"], (cell, stage, gain)
+        g = c["tool_gains_over_sft"]["grpo"]
+        assert g["gain"] >= 0.05 and g["gain"] >= 1.5 * g["se"], (cell, g)
+
+
 @pytest.mark.slow
 def test_rl_loop_bench_records_validation_cost_and_the_filter(tmp_path):
     small = ["data.demo.train=8", "data.demo.val=4", "sft.args.max_steps=2",
