@@ -139,7 +139,7 @@ def test_the_zoom_demo_config_runs_sft_grpo_with_the_tool_and_both_evaluations(z
     cfg = load_config(REPO / "configs/demo_zoom.yaml", [
         f"run.output_dir={cfg.run.output_dir}", "data.zoom_demo.train=24", "data.zoom_demo.val=8",
         "tracking.backend=none", f"model.path={tiny_models['qwen2_5_vl']}", "model.family=qwen2_5_vl",
-        "sft.args.max_steps=2",
+        "model.tiny=null", "sft.args.max_steps=2",
         "sft.args.per_device_train_batch_size=4", "grpo.args.max_steps=1",
         "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
         "grpo.args.max_completion_length=96", "grpo.args.warmup_steps=0", "eval.max_new_tokens=64",
