@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vlmexp.families.qwen import PixelBudget
+from vlmexp.rewards import completion_text
 from vlmexp.tools.zoom import ZoomEnvironment, ZoomRefused, crop_box, zoom_counts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +81,11 @@ def test_zoom_counts_and_the_tool_reward_read_the_conversation():
     # the final turn is what the accuracy rewards read
     assert build_reward("exact", {"default_match": "exact"}, "grid1000", None)(
         completions=[zoomed, wrong], solution=["red"] * 2, task=["exact"] * 2) == [1.0, 0.0]
+    # Qwen's response parser moves a turn's <think> into reasoning_content: the format reward sees it again
+    parsed = [*zoomed[:-1], {"role": "assistant", "content": "<answer>red</answer>",
+                             "reasoning_content": "The zoom shows it."}]
+    assert completion_text(parsed) == "<think>The zoom shows it.</think><answer>red</answer>"
+    assert build_reward("format", {}, "grid1000", None)(completions=[parsed, zoomed]) == [1.0, 0.0]
 
 
 def test_zoom_on_target_counts_records_whose_zooms_hold_the_whole_target():

@@ -43,14 +43,17 @@ class RewardError(RuntimeError):
 
 def completion_text(completion: Any) -> str:
     """The assistant text of a TRL completion (list of messages, a message, or a string); of a conversation
-    with tool turns (grpo.tools), its final assistant turn: the answer the rewards score."""
+    with tool turns (grpo.tools), its final assistant turn: the answer the rewards score. A message's
+    `reasoning_content` (where a response parser moved the turn's <think>) is given back in its tags."""
     if isinstance(completion, list) and any(isinstance(m, dict) and m.get("role") == "tool"
                                             for m in completion):
         completion = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"][-1:]
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):
-        return completion_text(completion.get("content", ""))
+        text = completion_text(completion.get("content", ""))
+        reasoning = completion.get("reasoning_content")
+        return f"<think>{reasoning}</think>{text}" if reasoning else text
     if isinstance(completion, list):
         return "".join(
             part.get("text", "") if isinstance(part, dict) and "content" not in part
