@@ -66,12 +66,10 @@ class ToolsShown:
         return getattr(self._processor, name)
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
-        if not conversation or not isinstance(conversation[0], list):  # one conversation
-            return self._processor.apply_chat_template(
-                conversation, tools=self._tools if _uses_tools(conversation) else None, **kwargs)
-        shown = [c for c in conversation if _uses_tools(c)]
-        plain = [c for c in conversation if not _uses_tools(c)]
-        if not plain or not shown:
+        batch = conversation if conversation and isinstance(conversation[0], list) else [conversation]
+        shown = [c for c in batch if _uses_tools(c)]
+        plain = [c for c in batch if not _uses_tools(c)]
+        if not plain or not shown:  # one conversation, or a batch of one kind
             return self._processor.apply_chat_template(conversation, tools=self._tools if shown else None,
                                                        **kwargs)
         if not kwargs.get("tokenize"):  # texts, in the batch's order
