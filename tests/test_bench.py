@@ -284,23 +284,29 @@ def test_readme_demo_table_is_the_recorded_matrix():
 
 
 def test_readme_zoom_table_is_the_recorded_matrix():
-    """The README's zoom table is generated from bench/results/demo_zoom/*.json and claims what they show,
-    cell by cell: with the tool the SFT and GRPO models zoom once on every held-out record and the zoom holds
-    the whole target on 40 % or more; they answer better with the tool than without it (by 0.1 and 2 paired SE
-    or more), guess without it, and GRPO answers better than SFT with the tool (by 0.05 and 1.5 paired SE or
-    more)."""
+    """The README's zoom table is generated from bench/results/demo_zoom/*.json and claims what they show. In
+    every cell the SFT and GRPO models zoom once on every held-out record with the tool and guess without it.
+    Only seed 42's cells read the colour: there the zoom holds the whole target on 40 % or more, the tool's
+    gain is 0.1 and 2 paired SE or more, and GRPO beats SFT with the tool by 0.05 and 1.5 paired SE or more;
+    seed 7 (AVX2) answers with the tool no better than a guess."""
     cells = _recorded_cells("ZOOM_MARKERS", REPO / "bench" / "results" / "demo_zoom")
-    assert {(c["seed"], c["arithmetic"]) for c in cells} >= {(42, "avx2"), (42, "default")}
+    assert {(c["seed"], c["arithmetic"]) for c in cells} >= {(42, "avx2"), (42, "default"), (7, "avx2")}
     for c in cells:
         m, cell = c["metrics"], (c["seed"], c["arithmetic"])
         assert m["base"]["exact_accuracy"] == m["base"]["tool_exact_accuracy"] == 0.0, cell
         for stage in ("sft", "grpo"):
-            assert m[stage]["tool_zooms_per_answer"] == 1.0 and m[stage]["tool_zoom_on_target"] >= 0.4, cell
+            assert m[stage]["tool_zooms_per_answer"] == 1.0, cell
             assert m[stage]["exact_accuracy"] <= 0.3, cell  # a guess: 0.25 with four colours held out equally
+            if c["seed"] != 42:
+                continue
+            assert m[stage]["tool_zoom_on_target"] >= 0.4, cell
             gain = c["tool_gains_over_no_tool"][stage]  # with the tool, over the same model without it
             assert gain["gain"] >= 0.1 and gain["gain"] >= 2 * gain["se"], (cell, stage, gain)
-        g = c["tool_gains_over_sft"]["grpo"]
-        assert g["gain"] >= 0.05 and g["gain"] >= 1.5 * g["se"], (cell, g)
+        if c["seed"] == 42:
+            g = c["tool_gains_over_sft"]["grpo"]
+            assert g["gain"] >= 0.05 and g["gain"] >= 1.5 * g["se"], (cell, g)
+        else:
+            assert m["sft"]["tool_exact_accuracy"] <= 0.3 and m["grpo"]["tool_exact_accuracy"] <= 0.3, cell
 
 
 @pytest.mark.slow
