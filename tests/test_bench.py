@@ -288,9 +288,10 @@ def test_readme_zoom_table_is_the_recorded_matrix():
     every cell the SFT and GRPO models zoom once on every held-out record with the tool and guess without it.
     Only seed 42's cells read the colour: there the zoom holds the whole target on 40 % or more, the tool's
     gain is 0.1 and 2 paired SE or more, and GRPO beats SFT with the tool by 0.05 and 1.5 paired SE or more;
-    seed 7 (AVX2) answers with the tool no better than a guess."""
+    seed 7 answers with the tool no better than a guess."""
     cells = _recorded_cells("ZOOM_MARKERS", REPO / "bench" / "results" / "demo_zoom")
-    assert {(c["seed"], c["arithmetic"]) for c in cells} >= {(42, "avx2"), (42, "default"), (7, "avx2")}
+    recorded = {(c["seed"], c["arithmetic"]) for c in cells}
+    assert recorded >= {(seed, arithmetic) for seed in (42, 7) for arithmetic in ("avx2", "default")}
     for c in cells:
         m, cell = c["metrics"], (c["seed"], c["arithmetic"])
         assert m["base"]["exact_accuracy"] == m["base"]["tool_exact_accuracy"] == 0.0, cell
