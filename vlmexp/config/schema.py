@@ -300,6 +300,11 @@ class ZoomDemoConfig(Section):
         0, ge=0, lt=1, description="The share of training records that answer without the tool: the question "
         "and the image, no tools block, the answer (what evaluation without the tool asks; at the budget the "
         "colour can only be guessed). The rest are zoom-then-answer demonstrations.")
+    closeup: float = Field(
+        0, ge=0, le=1, description="The share of demonstrations that also give a close-up record: their crop "
+        "(what the zoom tool returned) as the only image, the question, the answer, no tools block. Reading "
+        "is then learned where the question and one picture are the whole context, not only after the tools "
+        "block, the scene and the call. 0: none.")
 
     @field_validator("target")
     @classmethod

@@ -48,6 +48,7 @@ class ZoomScenes:
     centred: bool = False
     direct: float = 0.0  # the share of training records answered without the tool
     frame: int = 2  # the target's black frame, pixels
+    closeup: float = 0.0  # the share of demonstrations that also give their crop as a close-up record
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,12 @@ def window_box(box: list[int], side: int, share: float, centred: bool = False) -
     return [float(x), float(y), float(x + width), float(y + width)]
 
 
-def crop_of(image, call: list[int], frame: BoxFrame):
-    """The crop the zoom tool returns for `call` (its own rule: vlmexp.tools.zoom.crop_box)."""
+def crop_window(image, call: list[int], frame: BoxFrame) -> list[int]:
+    """The box, in original pixels, of the crop the zoom tool returns for `call` (its own rule:
+    vlmexp.tools.zoom.crop_box)."""
     from vlmexp.tools.zoom import crop_box
 
-    box = crop_box(call, *image.size, frame.frame, frame.budget, frame.min_crop_side)
-    return image.crop(tuple(box))
+    return list(crop_box(call, *image.size, frame.frame, frame.budget, frame.min_crop_side))
 
 
 def direct_answer(name: str, colour: str, box: list[int]) -> dict[str, Any]:
@@ -141,6 +142,19 @@ def direct_answer(name: str, colour: str, box: list[int]) -> dict[str, Any]:
         {"role": "assistant", "content": f"<think>The square is too small to see.</think><answer>{colour}"
                                          "</answer>"}],
         "images": [name], "solution": colour, "bbox": box}
+
+
+def closeup_answer(crop_name: str, colour: str, box: list[int], crop: list[int]) -> dict[str, Any]:
+    """A training record whose image is a demonstration's crop (what the zoom tool returned), answered
+    without the tool: reading the colour where the question and one picture are all the context. `bbox` is
+    the target's box in the crop's pixels."""
+    inside = [max(0, box[0] - crop[0]), max(0, box[1] - crop[1]), min(crop[2], box[2]) - crop[0],
+              min(crop[3], box[3]) - crop[1]]
+    return {"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": f"<think>The square is large enough to see.</think><answer>{colour}"
+                                         "</answer>"}],
+        "images": [crop_name], "solution": colour, "bbox": inside}
 
 
 def demonstration(name: str, crop_name: str, colour: str, call: list[int], box: list[int]) -> dict[str, Any]:
@@ -170,6 +184,7 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
         (tmp / "images").mkdir()
         rng, noise = random.Random(seed), random.Random(f"zoom-annotator-{seed}")
         direct = random.Random(f"zoom-direct-{seed}")  # its own draws: the images stay those of `seed`
+        closeup = random.Random(f"zoom-closeup-{seed}")
         for split, count in (("train", train), ("val", val)):
             rows = []
             for i in range(count):
@@ -186,8 +201,11 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
                     continue
                 call = zoom_call(noise, box, scenes, frame)
                 crop_name = f"images/{split}_{i:05d}_crop.png"
-                crop_of(image, call, frame).save(tmp / crop_name)
+                crop = crop_window(image, call, frame)
+                image.crop(tuple(crop)).save(tmp / crop_name)
                 rows.append(demonstration(name, crop_name, colour, call, box))
+                if scenes.closeup and closeup.random() < scenes.closeup:
+                    rows.append(closeup_answer(crop_name, colour, box, crop))
             (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             data_yaml = {"datasets": [{"json_path": f"{split}.jsonl", "sampling_strategy": "all",
                                        "image_root": "."}]}
@@ -224,4 +242,4 @@ def box_frame_of(cfg) -> BoxFrame:
 
 def scenes_of(demo) -> ZoomScenes:
     return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter,
-                      demo.annotator_window, demo.annotator_centred, demo.direct, demo.frame)
+                      demo.annotator_window, demo.annotator_centred, demo.direct, demo.frame, demo.closeup)
