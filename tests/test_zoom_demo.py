@@ -62,10 +62,19 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
     processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
     assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 224 px shrunk to 112: 16 vision tokens
-    colours, direct = set(), 0
+    colours, direct, closeups = set(), 0, []
     for record in train:
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
         image = Image.open(record.images[0]).convert("RGB")
+        if record.images[0].endswith("_crop.png"):  # a close-up (data.zoom_demo.closeup): the crop, answered
+            assert not record.tool_turns and len(record.images) == 1 and image.size == (112, 112)
+            assert record.target == (f"<think>The square is large enough to see.</think><answer>"
+                                     f"{record.solution}</answer>")
+            assert 0 <= record.box[0] < record.box[2] <= 112 and 0 <= record.box[1] < record.box[3] <= 112
+            shown = _demodulated(image, record.box, cfg.data.zoom_demo.frame)  # read where the crop shows it
+            assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1
+            closeups.append(record)
+            continue
         seen = image.resize((112, 112), Image.BICUBIC)  # as the processor shrinks it
         grey = _interior(seen, record.box, 112 / image.width, cfg.data.zoom_demo.frame)
         assert np.ptp(grey) < 8, (record.solution, grey)  # every colour the same grey at the budget
@@ -95,6 +104,10 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         assert record.target.endswith(f"<answer>{record.solution}</answer>")
         colours.add(record.solution)
     assert colours == set(COLOURS) and 0 < direct < len(train)
+    # each close-up is a demonstration's crop, with its answer
+    demonstrations = {r.images[1]: r for r in train if r.tool_turns}
+    assert closeups and all(demonstrations[r.images[0]].solution == r.solution for r in closeups)
+    assert len(closeups) < len(demonstrations)
     assert [r.record_format for r in val] == ["vqa"] * 8 and all(r.tool_turns == [] for r in val)
     # the colours take turns: one answer for all scores a quarter
     assert sorted(r.solution for r in val) == sorted([*COLOURS] * 2)
