@@ -19,10 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def zoom_run(tmp_path_factory):
-    """The demo config's data, generated and sampled small: (config, train records, val records)."""
+    """The demo config's data with close-ups (data.zoom_demo.closeup), generated and sampled small: (config,
+    train records, val records)."""
     out = tmp_path_factory.mktemp("zoom-demo")
     cfg = load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={out}", "data.zoom_demo.train=24",
-                                                         "data.zoom_demo.val=8", "tracking.backend=none"])
+                                                         "data.zoom_demo.val=8", "data.zoom_demo.closeup=0.5",
+                                                         "tracking.backend=none"])
     prepared = prepare_data(cfg)
     return cfg, read_sampled(prepared.train), read_sampled(prepared.val)
 
