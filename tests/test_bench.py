@@ -284,30 +284,25 @@ def test_readme_demo_table_is_the_recorded_matrix():
 
 
 def test_readme_zoom_table_is_the_recorded_matrix():
-    """The README's zoom table is generated from bench/results/demo_zoom/*.json and claims what they show. In
-    every cell the SFT and GRPO models zoom once on every held-out record with the tool and guess without it.
-    Only seed 42's cells read the colour: there the zoom holds the whole target on 40 % or more, the tool's
-    gain is 0.1 and 2 paired SE or more, and GRPO beats SFT with the tool by 0.05 and 1.5 paired SE or more;
-    seed 7 answers with the tool no better than a guess."""
+    """The README's zoom table is generated from bench/results/demo_zoom/*.json and claims what they show,
+    cell by cell (seeds 42 and 7 on both arithmetics, seed 1 on AVX2): the SFT and GRPO models zoom once on
+    every held-out record with the tool and guess without it, and the tool adds 0.1 and 3 paired SE or more,
+    after SFT and after GRPO. The zoom holds the whole target on 35 % or more in every cell but one (seed 1's
+    zooms miss it). GRPO's gain over SFT is claimed nowhere."""
     cells = _recorded_cells("ZOOM_MARKERS", REPO / "bench" / "results" / "demo_zoom")
     recorded = {(c["seed"], c["arithmetic"]) for c in cells}
-    assert recorded >= {(seed, arithmetic) for seed in (42, 7) for arithmetic in ("avx2", "default")}
+    assert recorded >= {(42, "avx2"), (42, "default"), (7, "avx2"), (7, "default"), (1, "avx2")}
     for c in cells:
         m, cell = c["metrics"], (c["seed"], c["arithmetic"])
         assert m["base"]["exact_accuracy"] == m["base"]["tool_exact_accuracy"] == 0.0, cell
         for stage in ("sft", "grpo"):
             assert m[stage]["tool_zooms_per_answer"] == 1.0, cell
             assert m[stage]["exact_accuracy"] <= 0.3, cell  # a guess: 0.25 with four colours held out equally
-            if c["seed"] != 42:
-                continue
-            assert m[stage]["tool_zoom_on_target"] >= 0.4, cell
             gain = c["tool_gains_over_no_tool"][stage]  # with the tool, over the same model without it
-            assert gain["gain"] >= 0.1 and gain["gain"] >= 2 * gain["se"], (cell, stage, gain)
-        if c["seed"] == 42:
-            g = c["tool_gains_over_sft"]["grpo"]
-            assert g["gain"] >= 0.05 and g["gain"] >= 1.5 * g["se"], (cell, g)
-        else:
-            assert m["sft"]["tool_exact_accuracy"] <= 0.3 and m["grpo"]["tool_exact_accuracy"] <= 0.3, cell
+            assert gain["gain"] >= 0.1 and gain["gain"] >= 3 * gain["se"], (cell, stage, gain)
+    on_target = [c for c in cells
+                 if min(c["metrics"][s]["tool_zoom_on_target"] for s in ("sft", "grpo")) >= 0.35]
+    assert len(on_target) >= len(cells) - 1, [(c["seed"], c["arithmetic"]) for c in cells]
 
 
 @pytest.mark.slow
