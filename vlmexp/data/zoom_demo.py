@@ -13,9 +13,11 @@ the assistant's `image_zoom_in_tool` call with a loose annotator's box (each edg
 target's side, then moved by up to `jitter`; or a window of `window` x the side, the one of a coarse grid
 nearest the target or the one centred on it, `centred`), written in the family's box frame; the tool turn
 with the crop, made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. A share `direct`
-answers without the tool instead (no tools block: what evaluation without the tool asks). Every record
-carries the answer (`solution`) and the target's exact box (`bbox`, original pixels). Held-out records are
-V*-style {image, question, answer, bbox}. Deterministic for a seed and a frame.
+answers without the tool instead (no tools block: what evaluation without the tool asks). A share `closeup` of
+the demonstrations also gives its crop as a record answered without the tool (reading with one picture as the
+context). Every record carries the answer (`solution`) and the target's exact box (`bbox`, in its
+image's pixels). Held-out records are V*-style {image, question, answer, bbox}.
+Deterministic for a seed and a frame.
 """
 
 from __future__ import annotations
@@ -241,5 +243,7 @@ def box_frame_of(cfg) -> BoxFrame:
 
 
 def scenes_of(demo) -> ZoomScenes:
-    return ZoomScenes(demo.side, tuple(demo.target), demo.annotator_loose, demo.annotator_jitter,
-                      demo.annotator_window, demo.annotator_centred, demo.direct, demo.frame, demo.closeup)
+    return ZoomScenes(side=demo.side, target=tuple(demo.target), loose=demo.annotator_loose,
+                      jitter=demo.annotator_jitter, window=demo.annotator_window,
+                      centred=demo.annotator_centred, direct=demo.direct, frame=demo.frame,
+                      closeup=demo.closeup)
