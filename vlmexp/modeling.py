@@ -37,8 +37,9 @@ def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family
         family = get_family(cfg.path[len(TINY_PREFIX):])
         spec = tiny_spec(cfg)
         made = spec.model_dump()
-        if not made["corpus_tools"]:  # the folders built before corpus_tools existed keep their name
-            del made["corpus_tools"]
+        for added in ("corpus_tools", "tools_block_token"):  # folders built before these existed keep their name
+            if not made[added]:
+                del made[added]
         key = hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:8]
         folder = Path(output_dir) / "models" / f"tiny-{family.name}-{key}"
         if not (folder / "config.json").is_file():

@@ -10,7 +10,9 @@ family module (vlmexp/families/) gives the model config, the image processor and
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from pathlib import Path
 
 from pydantic import ConfigDict
@@ -92,8 +94,15 @@ def build_tokenizer(family: Family, spec: TinySpec):
     corpus = _corpus(spec.seed)
     if not spec.corpus_tools:
         return _tokenizer(family, spec, corpus)
-    block = _tools_block(family, _tokenizer(family, spec, corpus), spec.corpus_tools)
-    return _tokenizer(family, spec, corpus + [block] * _TOOLS_BLOCK_LINES)
+    throwaway = _tokenizer(family, spec, corpus)
+    block = _tools_block(family, throwaway, spec.corpus_tools)
+    tokenizer = _tokenizer(family, spec, corpus + [block] * _TOOLS_BLOCK_LINES)
+    if spec.tools_block_token:
+        from transformers import AddedToken
+
+        section = _tools_section(family, throwaway, spec.corpus_tools)
+        tokenizer.add_tokens([AddedToken(section, special=False, normalized=False)])
+    return tokenizer
 
 
 _TOOLS_BLOCK_LINES = 400  # the block's share of the corpus: ~230 tokens left of its ~550 at vocab_size 1024
@@ -110,6 +119,21 @@ def _tools_block(family: Family, tokenizer, names) -> str:
     family.use_tools(SimpleNamespace(tokenizer=tokenizer))
     tools = offered_tools(ToolsConfig(names=list(names)), family, family.released_budget({}))
     return tokenizer.apply_chat_template([{"role": "user", "content": ""}], tools=tools, tokenize=False)
+
+
+def _tools_section(family: Family, tokenizer, names) -> str:
+    """What the tools add to the system turn of `family`'s tool template: its block with them, less its turn
+    without them (`tokenizer` is changed: a throwaway)."""
+    with_tools = _tools_block(family, tokenizer, names)  # the tool template, with the tools and without
+    without = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
+    head = len(os.path.commonprefix([with_tools, without]))
+    tail = len(os.path.commonprefix([with_tools[head:][::-1], without[head:][::-1]]))
+    section = with_tools[head:len(with_tools) - tail]
+    if without != with_tools[:head] + with_tools[len(with_tools) - tail:] or not section:
+        raise ValueError(f"{family.name}'s tool template does not add the tools as one section of the "
+                         "system turn: set model.tiny.tools_block_token: false")
+    special = "|".join(re.escape(t) for t in tokenizer.all_special_tokens)
+    return max(re.split(special, section), key=len)  # its text between turn markers (Qwen3-VL's opens one)
 
 
 def _tokenizer(family: Family, spec: TinySpec, corpus: list[str]):

@@ -114,6 +114,10 @@ class TinyModelConfig(Section):
         "BPE merges also learn: with [zoom] the zoom tool's block is ~230 tokens instead of ~550, so each "
         "sample of a config that offers the tool is that much shorter. []: the pipeline's prompts and "
         "answers only.")
+    tools_block_token: bool = Field(
+        False, description="With corpus_tools: the tools' section of the system turn (as grpo.tools shows "
+        "them) becomes one added token of the tokenizer, so a sample that offers the tools is ~250 tokens "
+        "shorter (a real checkpoint's tokenizer renders the zoom tool's ~300). false: BPE tokens only.")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -121,6 +125,9 @@ class TinyModelConfig(Section):
             raise ValueError("hidden_size / num_heads must be a multiple of 8 (mrope needs it)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.tools_block_token and not self.corpus_tools:
+            raise ValueError("tools_block_token makes corpus_tools' block one token: set corpus_tools: [zoom] "
+                             "or tools_block_token: false")
         return self
 
 
