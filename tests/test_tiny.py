@@ -100,3 +100,26 @@ def test_a_tokenizer_that_learns_the_zoom_tools_block_renders_it_in_under_half_t
         assert learned.all_special_tokens == plain.all_special_tokens
         assert [learned.decode([t]) for t in learned("x=2024")["input_ids"][-4:]] == ["2", "0", "2", "4"]
         assert learned.decode(learned(block)["input_ids"]) == block
+
+
+def test_the_tools_block_as_one_token_shortens_only_the_tools_section():
+    from vlmexp.config.schema import TinyModelConfig
+    from vlmexp.families import get_family
+    from vlmexp.tiny import TinySpec, _tools_block, build_tokenizer
+
+    for name in ("qwen2_5_vl", "qwen3_vl"):
+        family = get_family(name)
+        merged = build_tokenizer(family, TinySpec(corpus_tools=["zoom"]))
+        token = build_tokenizer(family, TinySpec(corpus_tools=["zoom"], tools_block_token=True))
+        block = _tools_block(family, build_tokenizer(family, TinySpec()), ["zoom"])
+        ids = token(block)["input_ids"]
+        assert len(ids) < 20 < 200 < len(merged(block)["input_ids"]), name
+        assert token.decode(ids) == block  # the same text, as the model reads it and as logs show it
+        added = token.convert_ids_to_tokens([i for i in ids if token.decode([i]).count('"image_zoom_in_tool"')])
+        assert len(added) == 1 and added[0] not in token.all_special_tokens, name  # never skipped on decode
+        # everything but the tools reads as before: a prompt without them, and an answer
+        plain = "<|im_start|>user\nWhat colour is it?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>"
+        assert token(plain)["input_ids"] == merged(plain)["input_ids"], name
+        assert token.chat_template == merged.chat_template
+    with pytest.raises(ValueError, match="set corpus_tools: \\[zoom\\] or tools_block_token: false"):
+        TinyModelConfig(tools_block_token=True)

@@ -199,6 +199,8 @@ def test_direct_answers_are_rendered_without_the_tools_block_beside_the_demonstr
     texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in batch["input_ids"]]
     assert "<tools>" in texts[0] and "<tool_response>" in texts[0], texts[0]
     assert "<tools>" not in texts[1] and "<tool_call>" not in texts[1], texts[1]
+    shown = int((batch["input_ids"][0] != tokenizer.pad_token_id).sum())  # the tools block as one token
+    assert shown < 250, f"a demonstration is {shown} tokens: model.tiny.tools_block_token did not shorten it"
     for row, single in zip(batch["input_ids"], (alone[1], alone[0]), strict=True):
         kept = row[row != tokenizer.pad_token_id]
         assert torch.equal(kept, single["input_ids"][0][single["input_ids"][0] != tokenizer.pad_token_id])
