@@ -29,8 +29,8 @@ from vlmexp.data.demo import Scenes
 
 REPO = Path(__file__).resolve().parents[1]
 # The test processes share the 2-core machines CI runs on: a `vlmexp run` that a test starts gives Prefect's
-# temporary server two minutes to answer, not the 20 s a user's idle machine needs (a user who needs more sets
-# the same variable)
+# temporary server two minutes to answer, not the 90 s it waits on a user's machine
+# (flows/temporary_server.py; a user who needs more sets the same variable)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Prefect keeps its database and settings in PREFECT_HOME (~/.prefect): a test process and everything it
 # starts use a folder of their own, never the user's. A test that starts a Prefect server takes

@@ -37,7 +37,7 @@ def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> tuple[str, Family
         family = get_family(cfg.path[len(TINY_PREFIX):])
         spec = tiny_spec(cfg)
         made = spec.model_dump()
-        for added in ("corpus_tools", "tools_block_token"):  # folders built before these existed keep their name
+        for added in ("corpus_tools", "tools_block_token"):  # folders built before these keep their name
             if not made[added]:
                 del made[added]
         key = hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:8]

@@ -126,8 +126,8 @@ class TinyModelConfig(Section):
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.tools_block_token and not self.corpus_tools:
-            raise ValueError("tools_block_token makes corpus_tools' block one token: set corpus_tools: [zoom] "
-                             "or tools_block_token: false")
+            raise ValueError("tools_block_token makes corpus_tools' block one token: set corpus_tools: "
+                             "[zoom] or tools_block_token: false")
         return self
 
 
