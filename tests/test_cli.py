@@ -68,9 +68,9 @@ def test_the_temporary_server_waits_longer_than_prefects_20_s_unless_told():
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     waits = {}
     for given in (None, "5", "300"):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                           env={**env, **({"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": given} if given
-                                          else {})})
+        told = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": given} if given else {}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                           timeout=120, env={**env, **told})
         assert r.returncode == 0, r.stderr
         waits[given] = r.stdout.split()
     assert waits == {None: ["90.0", "180.0"], "5": ["5.0", "180.0"], "300": ["300.0", "300.0"]}
