@@ -90,7 +90,8 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
 def build_tokenizer(family: Family, spec: TinySpec):
     """A Qwen2Tokenizer with locally trained merges, the family's special tokens and chat template. With
     `spec.corpus_tools`, the merges also learn those tools' block as the family's tool template renders it
-    (trained once without it, to render it)."""
+    (trained once without it, to render it); with `spec.tools_block_token` as well, the tools' section of that
+    block is one added token."""
     corpus = _corpus(spec.seed)
     if not spec.corpus_tools:
         return _tokenizer(family, spec, corpus)
