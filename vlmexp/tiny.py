@@ -101,7 +101,7 @@ def build_tokenizer(family: Family, spec: TinySpec):
     if spec.tools_block_token:
         from transformers import AddedToken
 
-        section = _tools_section(family, throwaway, spec.corpus_tools)
+        section = _tools_section(family, throwaway, block)
         tokenizer.add_tokens([AddedToken(section, special=False, normalized=False)])
     return tokenizer
 
@@ -122,10 +122,10 @@ def _tools_block(family: Family, tokenizer, names) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": ""}], tools=tools, tokenize=False)
 
 
-def _tools_section(family: Family, tokenizer, names) -> str:
-    """What the tools add to the system turn of `family`'s tool template: its block with them, less its turn
-    without them (`tokenizer` is changed: a throwaway)."""
-    with_tools = _tools_block(family, tokenizer, names)  # the tool template, with the tools and without
+def _tools_section(family: Family, tokenizer, with_tools: str) -> str:
+    """What the tools add to the system turn of `family`'s tool template: its block with them (`with_tools`,
+    as `_tools_block` rendered it with `tokenizer`, which now holds that template), less its turn without
+    them."""
     without = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
     head = len(os.path.commonprefix([with_tools, without]))
     tail = len(os.path.commonprefix([with_tools[head:][::-1], without[head:][::-1]]))
