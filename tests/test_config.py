@@ -150,10 +150,10 @@ def test_schema_imports_pydantic_and_the_family_table_only():
             "('yaml', 'PIL', 'numpy', 'torch', 'trl', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     modules = eval(out.stdout)  # the family table is the families package: its modules import nothing heavy
-    schema = ["vlmexp", "vlmexp.config", "vlmexp.config.base", "vlmexp.config.schema", "vlmexp.config.stages",
-              "vlmexp.families"]
-    assert modules[:6] == schema, modules
-    assert modules[6:] and all(m.startswith("vlmexp.families.") for m in modules[6:]), modules
+    schema = ["vlmexp", "vlmexp.config", "vlmexp.config.base", "vlmexp.config.generated_data",
+              "vlmexp.config.schema", "vlmexp.config.stages", "vlmexp.config.tiny_model", "vlmexp.families"]
+    assert modules[:8] == schema, modules
+    assert modules[8:] and all(m.startswith("vlmexp.families.") for m in modules[8:]), modules
 
 
 def test_validation_runs_user_code_only_behind_the_switch(tmp_path, monkeypatch, capsys):

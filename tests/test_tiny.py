@@ -103,7 +103,7 @@ def test_a_tokenizer_that_learns_the_zoom_tools_block_renders_it_in_under_half_t
 
 
 def test_the_tools_block_as_one_token_shortens_only_the_tools_section():
-    from vlmexp.config.schema import TinyModelConfig
+    from vlmexp.config.tiny_model import TinyModelConfig
     from vlmexp.families import get_family
     from vlmexp.tiny import TinySpec, _tools_block, build_tokenizer
 

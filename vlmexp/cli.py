@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-demo-data", help="write the generated grounding dataset (VLM-R1 REC format)")
     p.add_argument("dir")
-    from vlmexp.config.schema import DemoDataConfig  # light: the defaults live there once (data.demo's)
+    # light: the defaults live there once (data.demo's)
+    from vlmexp.config.generated_data import DemoDataConfig
 
     demo = DemoDataConfig()
     p.add_argument("--train", type=int, default=demo.train)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict
 
-from vlmexp.config.schema import TinyModelConfig
+from vlmexp.config.tiny_model import TinyModelConfig
 from vlmexp.families import Family, get_family
 from vlmexp.files import new_folder
 

@@ -1,12 +1,13 @@
 """The one typed config tree. Every section rejects unknown keys; `load_config` reports all errors at once.
 
 The schema is pure: it imports pydantic and the family table only, and validating it (`Config.model_validate`)
-runs no user code and reads no file. It spans three modules: this one (the root `Config` and the run, model,
+runs no user code and reads no file. It spans five modules: this one (the root `Config` and the run, model,
 data, tracking, pipeline and launch sections), `vlmexp.config.stages` (the training stages, evaluation and
-export) and `vlmexp.config.base` (what every section shares). What needs other modules or has side effects
-(registered reward names, sampling strategies, a source's `columns`, importing a `module:function` reward,
-probing paths, building TRL's argument classes) is the loader's check phase (`vlmexp.checks.rules`, run by
-`vlmexp.checks.loader.load_config`), a floor above this package.
+export), `vlmexp.config.generated_data` (the generated datasets' sections), `vlmexp.config.tiny_model` (the
+embedded model's sizes) and `vlmexp.config.base` (what every section shares). What needs other modules or
+has side effects (registered reward names, sampling strategies, a source's `columns`, importing a
+`module:function` reward, probing paths, building TRL's argument classes) is the loader's check phase
+(`vlmexp.checks.rules`, run by `vlmexp.checks.loader.load_config`), a floor above this package.
 
 Relative paths in a config resolve against the working directory the command runs in (the repository
 root for the shipped configs). Training arguments that TRL defines are not restated here: `sft.args`
@@ -19,9 +20,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from vlmexp.config.base import Section, check_template
+from vlmexp.config.generated_data import DemoDataConfig, ZoomDemoConfig
 
 # Imported for Config's fields only, not re-exported: every module imports a stage section from
 # vlmexp.config.stages, where it is defined, so each name has one import path.
@@ -33,6 +35,7 @@ from vlmexp.config.stages import (
     GRPOStageConfig,
     SFTStageConfig,
 )
+from vlmexp.config.tiny_model import TinyModelConfig
 from vlmexp.families import BUDGET_KNOBS, FAMILIES, TINY_PREFIX, FamilyName
 
 Task = Literal["rec", "math", "exact", "detection"]
@@ -88,46 +91,6 @@ class RunConfig(Section):
     def _default_output_dir(self) -> RunConfig:
         if self.output_dir is None:
             self.output_dir = f"outputs/{self.name}"
-        return self
-
-
-class TinyModelConfig(Section):
-    """Sizes of the embedded model (`model.path: tiny:<family>`). The defaults give ~0.8M parameters, which
-    train on a laptop CPU in seconds. `vlmexp.tiny.TinySpec` extends these with the shapes of published
-    checkpoints."""
-
-    hidden_size: PositiveInt = Field(128, description="Text model width (also the vision merger's output).")
-    intermediate_size: PositiveInt = Field(256, description="Text model MLP width.")
-    num_layers: PositiveInt = Field(2, description="Text decoder layers.")
-    num_heads: PositiveInt = Field(4, description="Text attention heads; hidden_size / num_heads must be a "
-                                                  "multiple of 8.")
-    num_kv_heads: PositiveInt = Field(2, description="Text key/value heads (grouped-query attention); "
-                                                     "divides num_heads.")
-    vision_hidden_size: PositiveInt = Field(64, description="Vision tower width.")
-    vision_depth: PositiveInt = Field(2, description="Vision tower blocks.")
-    vision_heads: PositiveInt = Field(4, description="Vision tower attention heads.")
-    vocab_size: PositiveInt = Field(1024, description="BPE vocabulary trained "
-                                    "locally, before the special tokens.")
-    seed: int = Field(0, description="Seed of the tokenizer corpus and the random weights.")
-    corpus_tools: list[Literal["zoom"]] = Field(
-        [], description="Tools whose block (the chat template's tools section, as grpo.tools shows them) the "
-        "BPE merges also learn: with [zoom] the zoom tool's block is ~230 tokens instead of ~550, so each "
-        "sample of a config that offers the tool is that much shorter. []: the pipeline's prompts and "
-        "answers only.")
-    tools_block_token: bool = Field(
-        False, description="With corpus_tools: the tools' section of the system turn (as grpo.tools shows "
-        "them) becomes one added token of the tokenizer, so a sample that offers the tools is ~250 tokens "
-        "shorter (a real checkpoint's tokenizer renders the zoom tool's ~300). false: BPE tokens only.")
-
-    @model_validator(mode="after")
-    def _heads(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 8:
-            raise ValueError("hidden_size / num_heads must be a multiple of 8 (mrope needs it)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.tools_block_token and not self.corpus_tools:
-            raise ValueError("tools_block_token makes corpus_tools' block one token: set corpus_tools: "
-                             "[zoom] or tools_block_token: false")
         return self
 
 
@@ -228,105 +191,6 @@ class DataSource(Section):
         if v and len(set(v.values())) != len(v):
             raise ValueError("columns maps one source column to two fields; map each column once")
         return v
-
-
-def check_scene_range(name: str, value: tuple[int, int]) -> None:
-    """Raise ValueError unless a generated images' range (width, height: pixels; objects: shapes) can work;
-    the schema's data.demo and vlmexp.data.demo.Scenes both ask here."""
-    lo, hi = value
-    if not 0 < lo <= hi:
-        raise ValueError(f"scenes.{name} must be [low, high] with 0 < low <= high, got [{lo}, {hi}]")
-    if name in ("width", "height") and lo < 64:
-        raise ValueError(f"scene images must be at least 64 pixels a side, got {name} {list(value)}")
-
-
-class DemoDataConfig(Section):
-    """Generate the embedded grounding dataset under <output_dir>/demo_data on first use. The defaults are the
-    demo's recipe (configs/demo.yaml) and `vlmexp make-demo-data`'s (vlmexp.data.demo.Scenes reads them
-    here)."""
-
-    train: PositiveInt = Field(1024, description="Training records to generate.")
-    val: PositiveInt = Field(256, description="Held-out records to generate.")
-    seed: int = Field(0, description="Seed of the generated images and captions (not run.seed: the data "
-                                     "stays the same across training seeds).")
-    width: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image width range [low, high].")
-    height: tuple[PositiveInt, PositiveInt] = Field((112, 112), description="Image height range [low, high].")
-    objects: tuple[PositiveInt, PositiveInt] = Field((1, 1), description="Shapes per image [low, high].")
-    background: Literal["plain", "gradient"] = Field(
-        "gradient", description="gradient: the shade encodes x (red) and y (green), so a tiny vision tower, "
-        "which has no absolute position embedding, can see where a shape is.")
-    annotator_jitter: float = Field(
-        0.05, ge=0, le=1, description="Training demonstrations (the boxes SFT imitates) move each edge "
-        "by a uniform draw in [-j, +j] x the box's side; the reward and evaluation score against the "
-        "exact box. 0: exact.")
-    annotator_loose: float = Field(
-        0.25, ge=0, le=1, description="Training demonstrations push each edge outward by this share of the "
-        "box's side (a loose annotator). 0: tight.")
-
-    @field_validator("width", "height", "objects")
-    @classmethod
-    def _scenes(cls, value: tuple[int, int], info: ValidationInfo) -> tuple[int, int]:
-        check_scene_range(str(info.field_name), value)
-        return value
-
-
-class ZoomDemoConfig(Section):
-    """Generate the embedded zoom dataset (vlmexp.data.zoom_demo) under <output_dir> on first use: images
-    larger than the model's pixel budget, each with one small framed square whose colour is a one-pixel
-    checkerboard of the colour and its complement, so that at the budget every colour blurs to the same grey
-    and only a zoom shows it. Training records are zoom-then-answer conversations from a loose annotator, the
-    call written in model.family's box frame with model.min_pixels / max_pixels; held-out records are V*-style
-    (image, question, answer, the target's box)."""
-
-    train: PositiveInt = Field(512, description="Training records (zoom-then-answer demonstrations).")
-    val: PositiveInt = Field(128, description="Held-out records.")
-    seed: int = Field(0, description="Seed of the generated images and demonstrations.")
-    side: PositiveInt = Field(448, ge=56, description="Image side in pixels (square images).")
-    target: tuple[PositiveInt, PositiveInt] = Field(
-        (24, 32), description="The framed square's side range [low, high] in pixels, its black frame "
-        "included.")
-    frame: PositiveInt = Field(2, description="The target's black frame, pixels: what shows where it is at "
-                               "the budget (its colour does not).")
-    annotator_loose: float = Field(
-        0.5, ge=0, le=2, description="The demonstrations' zoom box pushes each edge outward by this share of "
-        "the target's side (a loose annotator); the target's exact box travels with each record as `bbox`.")
-    annotator_jitter: float = Field(
-        0.15, ge=0, le=1, description="... and moves each edge by a uniform draw in [-j, +j] x the side.")
-    annotator_window: float = Field(
-        0, ge=0, lt=1, description="0: the loose box above. Otherwise the annotator zooms into a square "
-        "window "
-        "of this share of the image side instead, the one of a grid of windows (half a window apart) whose "
-        "centre is nearest the target's: a coarse zoom, as a person looking for a detail first halves the "
-        "picture. A window shown at or above its own resolution keeps the target's pattern.")
-    annotator_centred: bool = Field(
-        False, description="With annotator_window: the window centred on the target instead (moved inside "
-        "the image, its corners on even pixels so that the crop keeps the checkerboard's phase), so the "
-        "call's numbers follow the target's place as a grounding box does; false: the grid's window nearest "
-        "it.")
-    direct: float = Field(
-        0, ge=0, lt=1, description="The share of training records that answer without the tool: the question "
-        "and the image, no tools block, the answer (what evaluation without the tool asks; at the budget the "
-        "colour can only be guessed). The rest are zoom-then-answer demonstrations.")
-    closeup: float = Field(
-        0, ge=0, le=1, description="The share of demonstrations that also give a close-up record: their crop "
-        "(what the zoom tool returned) as the only image, the question, the answer, no tools block. Reading "
-        "is then learned where the question and one picture are the whole context, not only after the tools "
-        "block, the scene and the call. 0: none.")
-
-    @field_validator("target")
-    @classmethod
-    def _target(cls, value: tuple[int, int]) -> tuple[int, int]:
-        if not 8 <= value[0] <= value[1]:
-            raise ValueError(f"target {list(value)} needs 8 <= low <= high (pixels, frame included)")
-        return value
-
-    @model_validator(mode="after")
-    def _frame(self) -> ZoomDemoConfig:
-        if self.target[0] <= 2 * self.frame + 2:
-            raise ValueError(f"frame {self.frame} leaves no colour inside the smallest target "
-                             f"({self.target[0]} pixels): give target a low side above {2 * self.frame + 2} "
-                             "or a thinner frame")
-        return self
 
 
 class DataConfig(Section):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from vlmexp.config.schema import DemoDataConfig, check_scene_range
+from vlmexp.config.generated_data import DemoDataConfig, check_scene_range
 from vlmexp.files import new_folder
 
 # the defaults live there
