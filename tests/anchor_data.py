@@ -246,9 +246,16 @@ def jpeg(color: str, size=(160, 120)) -> bytes:
     return buf.getvalue()
 
 
+# V*'s per-image annotations (penghao-wu/vstar README, "Benchmark"): targets' boxes [x, y, w, h] in original
+# pixels; a direct-attribute question has one target, a relative-position question two
+VSTAR_TARGETS = {"direct_attributes": (["glove"], [[4, 6, 30, 30]]),
+                 "relative_position": (["cup", "glove"], [[10, 60, 20, 30], [110, 50, 40, 40]])}
+
+
 def vstar_bench(folder: Path, n: int = 4) -> Path:
-    """craigwu/vstar_bench as downloaded: test_questions.jsonl, the images under their category's
-    folder."""
+    """craigwu/vstar_bench as downloaded: test_questions.jsonl, the images under their category's folder,
+    each `sa_<n>.jpg` with its annotation `sa_<n>.json` beside it ({target_object, bbox, question, options},
+    the right option first)."""
     root = folder / "vstar_bench"
     rows = []
     for i in range(n):
@@ -256,6 +263,12 @@ def vstar_bench(folder: Path, n: int = 4) -> Path:
         name = f"{category}/sa_{1000 + i}.jpg"
         (root / category).mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(jpeg(COLORS[i % 4]))
+        targets, boxes = VSTAR_TARGETS[category]
+        choices = ["red", "blue", "green", "yellow"] if category == "direct_attributes" else ["left", "right"]
+        annotation = {"target_object": targets, "bbox": boxes, "question": (
+            "What is the colour of the glove?" if category == "direct_attributes"
+            else "Is the cup on the left or right side of the glove?"), "options": choices}
+        (root / name).with_suffix(".json").write_text(json.dumps(annotation))
         options = ("(A) red\n(B) blue\n(C) green\n(D) yellow" if category == "direct_attributes"
                    else "(A) left\n(B) right")
         rows.append({"image": name, "text": f"What is the colour of the glove?\n{options}\nAnswer with the "

@@ -180,6 +180,11 @@ class DataSource(Section):
                                            "{caption: normal_caption}.")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
+    box_form: Literal["xyxy", "xywh"] | None = Field(
+        None, description="The form of the boxes the source's records carry (`bbox`, a rec record's "
+        "solution): xyxy [x1, y1, x2, y2] or xywh [x, y, w, h] (top-left corner, width, height), in original "
+        "pixels. Default: the format's own (V* annotations: xywh; vlmexp's `bbox` and VLM-R1's solutions: "
+        "xyxy); a `bbox` listing boxes in a format that names no form is refused without it.")
     dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: "
                                 "the dataset_info.json entry to read (its file, "
                                 "formatting, columns and tags); only with such a folder.")

@@ -122,7 +122,7 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
         if found is None:
             raise DataError(Problem(where, "", no_format(record)))
         kept = normalise(record, found[0], src.task, where, image_root, store,
-                         Origin(table.name, identity, i), tags)
+                         Origin(table.name, identity, i), tags, src.box_form)
         if isinstance(kept, Problem):
             problems.append(kept)
             continue
