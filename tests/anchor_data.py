@@ -196,6 +196,30 @@ def ms_swift(folder: Path, n: int = 4) -> Path:
     return write_jsonl(root / "dpo.jsonl", rows)
 
 
+def ms_swift_video(folder: Path) -> Path:
+    """ms-swift's standard format with a video (docs Customization/Custom-dataset.md, "multimodal"): a
+    `<video>` tag in the user turn, `videos` paths; beside it an image record of the same file."""
+    root = folder / "swift-video"
+    make_png(root / "red.png", (56, 56), "red")
+    (root / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    rows = [{"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                          {"role": "assistant", "content": "Red."}], "images": ["red.png"]},
+            {"messages": [{"role": "user", "content": "<video>What happens in the clip?"},
+                          {"role": "assistant", "content": "A red square moves."}], "videos": ["clip.mp4"]}]
+    return write_jsonl(root / "train.jsonl", rows)
+
+
+def easyr1_video(folder: Path) -> Path:
+    """EasyR1's layout with video (verl/utils/dataset.py, `video_key: videos`): `problem` with a `<video>`
+    tag, `answer`, `videos`; written as parquet, as EasyR1's datasets are published."""
+    from datasets import Features, List, Value
+
+    features = Features({"problem": Value("string"), "answer": Value("string"),
+                         "videos": List(Value("string"))})
+    rows = {"problem": ["<video>How many squares appear?"], "answer": ["2"], "videos": [["clip.mp4"]]}
+    return to_parquet(rows, features, folder / "easyr1-video" / "train.parquet")
+
+
 def as_jsonl_with_paths(parquet: Path, folder: Path) -> Path:
     """The same rows as JSONL with image paths: every embedded image written to a file beside it, each
     `{bytes, path}` struct replaced by that file's relative path."""

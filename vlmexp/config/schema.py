@@ -173,11 +173,11 @@ class DataSource(Section):
                                    "Default: the file's or folder's own.")
     task: Task | None = Field(None, description="rec | math | exact | detection; default from the records' "
                               "accu_reward_method, else from the record format.")
-    columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
-                                           "e.g. {problem: question, answer: solution, images: image} "
-                                           "(EasyR1's prompt_key / answer_key / image_key), or a column "
-                                           "of your own to the name rewards receive it under, e.g. "
-                                           "{caption: normal_caption}.")
+    columns: dict[str, str | None] | None = Field(
+        None, description="Rename columns to the fields vlmexp reads, e.g. {problem: question, answer: "
+        "solution, images: image} (EasyR1's prompt_key / answer_key / image_key), or a column of your own to "
+        "the name rewards receive it under, e.g. {caption: normal_caption}; `column: null` drops the "
+        "source's column (e.g. {videos: null}: vlmexp trains images only).")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
     box_form: Literal["xyxy", "xywh"] | None = Field(
@@ -191,9 +191,10 @@ class DataSource(Section):
 
     @field_validator("columns")
     @classmethod
-    def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+    def _columns(cls, v: dict[str, str | None] | None) -> dict[str, str | None] | None:
         # the field names themselves are checked against vlmexp.data.formats.FIELDS by the check phase
-        if v and len(set(v.values())) != len(v):
+        mapped = [c for c in (v or {}).values() if c is not None]
+        if len(set(mapped)) != len(mapped):
             raise ValueError("columns maps one source column to two fields; map each column once")
         return v
 
