@@ -374,3 +374,15 @@ def test_video_parts_and_audio_are_refused_too(tmp_path):
             sample_sources([DataSource(json_path=str(path))], tmp_path / str(i) / "s.jsonl", 0)
         assert ("field 'prompt' holds a {type: video} part" if i == 0
                 else "field 'audios' carries audio") in str(e.value)
+
+
+def test_a_relative_out_writes_absolute_image_paths(anchors, tmp_path, monkeypatch):
+    """docs/data-formats.md: the sampled records hold absolute paths, embedded images (stored beside the
+    sampled file) and images named by path alike, whatever folder `--out` is given relative to."""
+    monkeypatch.chdir(tmp_path)
+    sources = [DataSource(json_path=anchors[name]["json_path"]) for name in ("rlaif_v", "ms_swift")]
+    result = sample_sources(sources, Path("rel") / "s.jsonl", 0)
+    records = read_sampled(tmp_path / "rel" / "s.jsonl")
+    assert result.path == tmp_path / "rel" / "s.jsonl"
+    assert all(Path(p).is_absolute() and Path(p).is_file() for r in records for p in r.images)
+    assert any(str(tmp_path / "rel" / "images") in p for r in records for p in r.images)

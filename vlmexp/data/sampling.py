@@ -153,8 +153,9 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
 def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int,
                    judged: bool = False) -> SampleResult:
     """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically; `judged`:
-    a judge reward will score records of the `llm` method (`sample_source`)."""
-    out = Path(out_path)
+    a judge reward will score records of the `llm` method (`sample_source`). A relative `out_path` is taken
+    from the working folder, and the records hold absolute image paths all the same."""
+    out = Path(out_path).expanduser().absolute()
     store = ImageStore(out.parent / IMAGES_DIR)
     try:
         return _sample_into(sources, out, seed, store, judged)
