@@ -289,9 +289,11 @@ class RayLaunchConfig(Section):
     """A stage on a running Ray cluster (launch.launcher: ray): `num_workers` Ray actors in a placement group
     run the stage function, as torchrun's ranks do (vlmexp.ray_launch)."""
 
-    address: str = Field(..., description="The running cluster: ray://HEAD:10001 (Ray Client: this "
-                         "machine need not be a node), HEAD:6379 (the GCS address, from a node), or auto "
-                         "(the cluster this node belongs to).")
+    address: str | None = Field(None, description="The running cluster: ray://HEAD:10001 (Ray Client: "
+                                "this machine need not be a node), HEAD:6379 (the GCS address, from a node), "
+                                "or auto (the cluster this node belongs to). Not set: Ray's own rule, as "
+                                "ray.init() and `ray job submit` follow it: RAY_ADDRESS, else auto, else "
+                                "refused naming both.")
     num_workers: PositiveInt = Field(1, description="Training processes (ranks); one GPU each when "
                                      "gpus_per_worker is 1.")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs each worker reserves (0 trains on CPU).")
@@ -345,9 +347,8 @@ class LaunchConfig(Section):
         if self.accelerate_config and self.launcher != "accelerate":
             raise ValueError("launch.accelerate_config is read by accelerate only; "
                              f"launcher is {self.launcher!r}")
-        if self.launcher == "ray" and self.ray is None:
-            raise ValueError("launcher 'ray' needs launch.ray with its address, e.g. "
-                             "launch.ray: {address: 'ray://head:10001', num_workers: 2}")
+        if self.launcher == "ray" and self.ray is None:  # the defaults: the cluster Ray's own rule finds
+            self.ray = RayLaunchConfig()
         if self.launcher != "ray" and self.ray is not None:
             raise ValueError(f"launch.ray is read by launcher ray only; launcher is {self.launcher!r}")
         if self.launcher == "ray" and (self.nproc_per_node > 1 or self.nnodes > 1 or self.hostfile):
