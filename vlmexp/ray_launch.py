@@ -69,7 +69,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     assert cfg.launch.ray is not None  # the schema gives launcher ray its defaults
-    found = ray_missing() or with_address(cfg.launch.ray)
+    if missing := ray_missing():
+        print(f"error: launch.ray: {missing}", file=sys.stderr)
+        return 2
+    found = with_address(cfg.launch.ray)
     if isinstance(found, str):
         print(f"error: launch.ray.address: {found}", file=sys.stderr)
         return 2
