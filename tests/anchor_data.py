@@ -196,6 +196,30 @@ def ms_swift(folder: Path, n: int = 4) -> Path:
     return write_jsonl(root / "dpo.jsonl", rows)
 
 
+def ms_swift_video(folder: Path) -> Path:
+    """ms-swift's standard format with a video (docs Customization/Custom-dataset.md, "multimodal"): a
+    `<video>` tag in the user turn, `videos` paths; beside it an image record of the same file."""
+    root = folder / "swift-video"
+    make_png(root / "red.png", (56, 56), "red")
+    (root / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    rows = [{"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                          {"role": "assistant", "content": "Red."}], "images": ["red.png"]},
+            {"messages": [{"role": "user", "content": "<video>What happens in the clip?"},
+                          {"role": "assistant", "content": "A red square moves."}], "videos": ["clip.mp4"]}]
+    return write_jsonl(root / "train.jsonl", rows)
+
+
+def easyr1_video(folder: Path) -> Path:
+    """EasyR1's layout with video (verl/utils/dataset.py, `video_key: videos`): `problem` with a `<video>`
+    tag, `answer`, `videos`; written as parquet, as EasyR1's datasets are published."""
+    from datasets import Features, List, Value
+
+    features = Features({"problem": Value("string"), "answer": Value("string"),
+                         "videos": List(Value("string"))})
+    rows = {"problem": ["<video>How many squares appear?"], "answer": ["2"], "videos": [["clip.mp4"]]}
+    return to_parquet(rows, features, folder / "easyr1-video" / "train.parquet")
+
+
 def as_jsonl_with_paths(parquet: Path, folder: Path) -> Path:
     """The same rows as JSONL with image paths: every embedded image written to a file beside it, each
     `{bytes, path}` struct replaced by that file's relative path."""
@@ -246,9 +270,16 @@ def jpeg(color: str, size=(160, 120)) -> bytes:
     return buf.getvalue()
 
 
+# V*'s per-image annotations (penghao-wu/vstar README, "Benchmark"): targets' boxes [x, y, w, h] in original
+# pixels; a direct-attribute question has one target, a relative-position question two
+VSTAR_TARGETS = {"direct_attributes": (["glove"], [[4, 6, 30, 30]]),
+                 "relative_position": (["cup", "glove"], [[10, 60, 20, 30], [110, 50, 40, 40]])}
+
+
 def vstar_bench(folder: Path, n: int = 4) -> Path:
-    """craigwu/vstar_bench as downloaded: test_questions.jsonl, the images under their category's
-    folder."""
+    """craigwu/vstar_bench as downloaded: test_questions.jsonl, the images under their category's folder,
+    each `sa_<n>.jpg` with its annotation `sa_<n>.json` beside it ({target_object, bbox, question, options},
+    the right option first)."""
     root = folder / "vstar_bench"
     rows = []
     for i in range(n):
@@ -256,6 +287,12 @@ def vstar_bench(folder: Path, n: int = 4) -> Path:
         name = f"{category}/sa_{1000 + i}.jpg"
         (root / category).mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(jpeg(COLORS[i % 4]))
+        targets, boxes = VSTAR_TARGETS[category]
+        choices = ["red", "blue", "green", "yellow"] if category == "direct_attributes" else ["left", "right"]
+        annotation = {"target_object": targets, "bbox": boxes, "question": (
+            "What is the colour of the glove?" if category == "direct_attributes"
+            else "Is the cup on the left or right side of the glove?"), "options": choices}
+        (root / name).with_suffix(".json").write_text(json.dumps(annotation))
         options = ("(A) red\n(B) blue\n(C) green\n(D) yellow" if category == "direct_attributes"
                    else "(A) left\n(B) right")
         rows.append({"image": name, "text": f"What is the colour of the glove?\n{options}\nAnswer with the "

@@ -192,7 +192,7 @@ def test_a_record_fitting_no_format_names_the_formats_and_its_fields(tmp_path):
      "turn 1 is 'user' where 'assistant' belongs"),
     ([{"role": "user", "content": "<image>q"}, {"role": "tool", "content": "x"}],
      "tool use must end in the assistant's answer"),
-    ([{"role": "user", "content": [{"type": "video"}]}], "messages[0].content[0] is not a part"),
+    ([{"role": "user", "content": [{"type": "video"}]}], "field 'messages' holds a {type: video} part"),
     ([{"role": "user", "content": "<image>What is it?"}], "no answer to grade"),
     ([{"role": "user", "content": "<image><image>q"}, {"role": "assistant", "content": "a"}],
      "messages has 2 <image> tags but the record lists 1 images"),
@@ -326,3 +326,63 @@ def test_validate_checks_a_llamafactory_dataset_name(anchors, tmp_path):
     assert "data.datasets.0.dataset = 'mllm_dmeo'" in str(e.value) and "'mllm_demo'" in str(e.value)
     load_config(config, ["data.datasets=[{json_path: '" + folder + "', dataset: mllm_demo}]"],
                 check_paths=True)
+
+
+def test_video_records_are_refused_naming_the_row_field_and_the_way_on(tmp_path):
+    """An ms-swift record with a video and an EasyR1 row with `videos`, as published: sampling refuses each,
+    naming the source, the row, the field, that vlmexp trains images only and how to go on; dropping the
+    column keeps going where the text holds no tag; `validate` refuses the EasyR1 source too."""
+    from vlmexp.checks.loader import load_config
+    from vlmexp.errors import ConfigError
+
+    swift, easyr1 = anchor_data.ms_swift_video(tmp_path), anchor_data.easyr1_video(tmp_path)
+    with pytest.raises(DataError) as e:
+        sample_sources([DataSource(json_path=str(swift))], tmp_path / "s" / "s.jsonl", 0)
+    text = str(e.value)
+    assert f"{swift}:2" in text and "field 'videos' carries video (['clip.mp4'])" in text, text
+    assert "vlmexp trains on images (and text) only" in text and "`columns: {videos: null}`" in text
+    assert "filter out the rows" in text and f"{swift}:1" not in text
+    with pytest.raises(DataError) as e:  # dropped: the <video> tag in the text still speaks of it
+        sample_sources([DataSource(json_path=str(swift), columns={"videos": None})],
+                       tmp_path / "d" / "s.jsonl", 0)
+    assert f"{swift}:2" in str(e.value) and "field 'messages' holds a <video> tag" in str(e.value)
+    kept = sample_sources([DataSource(json_path=str(swift), sampling_strategy="first:1",
+                                      columns={"videos": None})], tmp_path / "k" / "s.jsonl", 0)
+    assert kept.rows == 1
+
+    with pytest.raises(DataError) as e:  # was "unknown record format"
+        sample_sources([DataSource(json_path=str(easyr1))], tmp_path / "e" / "s.jsonl", 0)
+    text = str(e.value)
+    assert f"{easyr1}[0]" in text and "field 'videos' carries video" in text and "unknown" not in text
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "tiny:qwen2_5_vl"},
+                                      "data": {"datasets": [{"json_path": str(easyr1)}]}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(config, check_paths=True)
+    assert "data.datasets.0.json_path" in str(e.value) and "field 'videos' carries video" in str(e.value)
+
+
+def test_video_parts_and_audio_are_refused_too(tmp_path):
+    make_png(tmp_path / "a.png", (56, 56))
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]}],
+             "solution": "red"},
+            {"messages": [{"role": "user", "content": "<audio>What is said?"},
+                          {"role": "assistant", "content": "hello"}], "audios": ["a.wav"]}]
+    for i, row in enumerate(rows):
+        with pytest.raises(DataError) as e:
+            path = write_jsonl(tmp_path / f"{i}.jsonl", [row])
+            sample_sources([DataSource(json_path=str(path))], tmp_path / str(i) / "s.jsonl", 0)
+        assert ("field 'prompt' holds a {type: video} part" if i == 0
+                else "field 'audios' carries audio") in str(e.value)
+
+
+def test_a_relative_out_writes_absolute_image_paths(anchors, tmp_path, monkeypatch):
+    """docs/data-formats.md: the sampled records hold absolute paths, embedded images (stored beside the
+    sampled file) and images named by path alike, whatever folder `--out` is given relative to."""
+    monkeypatch.chdir(tmp_path)
+    sources = [DataSource(json_path=anchors[name]["json_path"]) for name in ("rlaif_v", "ms_swift")]
+    result = sample_sources(sources, Path("rel") / "s.jsonl", 0)
+    records = read_sampled(tmp_path / "rel" / "s.jsonl")
+    assert result.path == tmp_path / "rel" / "s.jsonl"
+    assert all(Path(p).is_absolute() and Path(p).is_file() for r in records for p in r.images)
+    assert any(str(tmp_path / "rel" / "images") in p for r in records for p in r.images)

@@ -337,6 +337,47 @@ def test_an_mlflow_outage_longer_than_its_retries_neither_slows_grpo_nor_loses_a
         kill_server(server)
 
 
+def test_an_outage_that_outlasts_the_stage_logs_each_step_once(tmp_path):
+    """A real MLflow server down from before GRPO starts until after it ended, twice: the stage command, then
+    the same command again, as a task retries when the store did not take the records in time (what a long
+    outage does and a short one does not). The retry trains no step past max_steps (the Trainer checks it
+    only after a step: resumed at checkpoint-10 it trained and logged a step 11), and once the server is
+    back the run's histories match the trainer's own log history, step for step."""
+    from mlflow.tracking import MlflowClient
+    from mlflow_server import free_port, kill_server, start_server
+
+    from vlmexp.tracking.spool import send_spooled
+    from vlmexp.tracking.tracker import MlflowTracker
+
+    port, out = free_port(), tmp_path / "run"
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path, port)
+    try:
+        run_id = MlflowTracker(uri, "faults", (tmp_path / "artifacts").as_uri()).start_pipeline("s", {}, {})
+    finally:
+        kill_server(server)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    first = _train(out, env, uri, run_id)
+    assert first.returncode == 0 and "they stay in" in first.stderr, first.stderr[-3000:]
+    retry = _train(out, env, uri, run_id)
+    assert retry.returncode == 0 and "training is over" in retry.stderr, retry.stderr[-3000:]
+    grpo = out / "grpo"
+    assert not (grpo / f"checkpoint-{MAX_STEPS + 1}").exists()
+    state = json.loads((grpo / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+    server = start_server(tmp_path, port)
+    try:
+        send_spooled(grpo)
+        client = MlflowClient(uri)
+        for key in ("loss", "reward", "rewards/rewards_for_tests:char_variety/mean"):
+            logged = [(e["step"], e[key]) for e in state["log_history"] if key in e]
+            history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+            assert [s for s, _ in history] == [s for s, _ in logged] == list(range(1, MAX_STEPS + 1)), key
+            assert [v for _, v in history] == pytest.approx([v for _, v in logged]), key
+    finally:
+        kill_server(server)
+
+
 def test_a_resume_skips_the_training_steps_in_mlflow_not_the_system_metric_samples(tmp_path):
     """MLflow's system metrics count their samples in `step`: a slow run's count passes its training steps,
     and taking it for the last logged step would leave the resumed steps unlogged."""

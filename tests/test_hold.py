@@ -114,3 +114,61 @@ def test_only_the_owner_removes_its_hold_and_a_pipeline_stage_checks_its_pipelin
     _, one = resolve_config(str(REPO / "configs/demo.yaml"), [f"run.output_dir={folder}"], "run-a")
     _, two = resolve_config(str(REPO / "configs/demo.yaml"), [f"run.output_dir={folder}"], "run-b")
     assert one != two and one.is_file() and two.is_file()
+
+
+FILLED = """
+import logging, sys, time
+from pathlib import Path
+from mlflow import MlflowClient
+from vlmexp.disk import DiskFull, said_as_disk_full
+from vlmexp.pipeline.hold import holding
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+folder = Path(sys.argv[1])
+client = MlflowClient(f"sqlite:///{folder}/mlflow.db")  # MLflow's store on the run's disk
+run_id = client.create_run(client.create_experiment("e")).info.run_id
+try:
+    with said_as_disk_full(folder), holding(folder, "vlmexp train grpo"):
+        print("filling", file=sys.stderr, flush=True)
+        with open(folder / "filler", "wb") as f:  # the disk fills
+            try:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        try:
+            client.log_metric(run_id, "loss", 1.0, step=1)
+        except Exception:
+            print("store refused", flush=True)
+        time.sleep(6)  # a heartbeat of the hold (hold.HEARTBEAT_SECONDS) meets the full disk
+        (folder / "checkpoint-2.bin").write_bytes(bytes(1 << 20))  # the save
+except DiskFull as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_a_full_disk_is_said_first_then_the_rest_once_briefly(tmp_path):
+    """A real small disk that fills while a stage holds its folder and logs to an sqlite MLflow store on it:
+    the first thing on stderr is the clear message naming the folder, the file and the room left; the hold's
+    renewal and MLflow's SQLAlchemy error follow once each, one line and no traceback; the stage's error is
+    said last."""
+    from test_faults import small_disk
+
+    with small_disk(tmp_path / "disk", 4) as disk:
+        done = subprocess.run([sys.executable, "-c", FILLED, str(disk)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert done.returncode == 1 and "store refused" in done.stdout, done.stderr[-3000:]
+    said = done.stderr.partition("filling\n")[2]
+    lines = [line for line in said.splitlines() if line.strip()]
+    first = lines[0]  # MLflow's store or the hold meets the full disk first
+    assert any(f"{name}: the disk holding {disk} is full: writing " in first
+               for name in ("mlflow.store.db.utils", "vlmexp.hold")), lines
+    assert " free there. Free space on that disk" in first, first
+    save = disk / "checkpoint-2.bin"
+    assert lines[-1].startswith(f"error: the disk holding {disk} is full: writing {save}"), lines
+    assert "Traceback" not in done.stderr and "[SQL:" not in done.stderr, done.stderr[-3000:]
+    assert sum("could not renew the hold" in line for line in lines) == 0, lines  # said as a full disk
+    assert sum(line.startswith("ERROR vlmexp.hold") for line in lines) <= 1
+    assert sum("mlflow.store.db.utils" in line for line in lines) <= 1, lines

@@ -31,8 +31,10 @@ STEPS = ["data.demo.train=32", "data.demo.val=8", *SMALL_BATCHES, "sft.args.logg
 DISASSEMBLY = re.compile(r"^.*\b(RESUME|LOAD_GLOBAL|LOAD_FAST|RETURN_VALUE)\b +\d.*$", re.M)
 
 
-def on_ray(address: str, **more) -> list[str]:
-    ray = {"address": address, "num_workers": 2, "placement_strategy": "STRICT_SPREAD", **more}
+def on_ray(address: str | None, **more) -> list[str]:
+    """`launch.launcher: ray` on the cluster at `address` (None: no address, Ray's own rule finds it)."""
+    ray = {**({"address": address} if address else {}), "num_workers": 2,
+           "placement_strategy": "STRICT_SPREAD", **more}
     return ["launch.launcher=ray", f"launch.ray={json.dumps(ray)}"]
 
 
@@ -190,7 +192,10 @@ def test_a_lost_node_resumes_and_each_stop_signal_leaves_nothing_on_the_cluster(
 def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path, run_inputs):
     """launch.ray.runtime_env {working_dir: JOB}, for nodes that lack the code: Ray uploads JOB, and each
     worker runs in its unpacked copy (not the driver's folder) and imports a reward module found only there;
-    GRPO completes a step with it."""
+    GRPO completes a step with it. No launch.ray.address: the driver takes RAY_ADDRESS, as Ray's tools do
+    (a verl or EasyR1 job script sets it and nothing else), and records it in run.json and the run's tags."""
+    from vlmexp.ray_cluster import run_tags
+
     job, out, where = tmp_path / "job", tmp_path / "out", tmp_path / "where.txt"
     job.mkdir()
     (job / "job_rewards.py").write_text(
@@ -202,9 +207,16 @@ def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", DEMO,
                         f"run.output_dir={out}", *STEPS, "grpo.args.max_steps=1", "tracking.backend=none",
                         "grpo.rewards=[{name: 'job_rewards:where'}]",
-                        *on_ray(cluster.gcs, runtime_env=carried), *run_inputs(out)], cwd=job,
-                       capture_output=True, text=True, timeout=600)
+                        *on_ray(None, runtime_env=carried), *run_inputs(out)], cwd=job,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RAY_ADDRESS": cluster.gcs})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f" on {cluster.gcs}: grpo as run " in r.stdout + r.stderr, r.stderr[-3000:]
+    run = json.loads((out / "ray" / "grpo" / "run.json").read_text())
+    assert (run["address"], run["address_from"]) == (cluster.gcs, "RAY_ADDRESS")
+    assert run["gcs_address"].rsplit(":", 1)[1] == cluster.gcs.rsplit(":", 1)[1]  # as Ray names the head
+    tags = run_tags(out / "ray" / "grpo")
+    assert (tags["ray.cluster"], tags["ray.address_from"]) == (cluster.gcs, "RAY_ADDRESS"), tags
     places = set(where.read_text().split())
     assert places and all("working_dir_files" in p and Path(p) != job for p in places), places
     assert (out / "grpo" / "final").is_dir()
@@ -301,8 +313,31 @@ def test_without_ray_installed_the_extra_is_named():
     assert "pip install 'vlmexp[ray]'" in r.stderr, r.stderr
 
 
+def test_without_an_address_ray_s_own_rule_is_followed_and_none_found_is_refused(vlmexp_main, tmp_path,
+                                                                                  monkeypatch):
+    """No launch.ray.address: RAY_ADDRESS (refused when nothing answers there, or when it is the dashboard's
+    http address, which `ray job submit` takes); without it, `auto` where this node is in a cluster; else
+    refused naming both. A node in no cluster: Ray's temp folder (RAY_TMPDIR) holds no cluster address."""
+    from vlmexp.checks.loader import load_config
+
+    cfg = load_config(DEMO, ["launch.launcher=ray"])
+    assert cfg.launch.ray is not None and cfg.launch.ray.address is None
+    lone = {"RAY_TMPDIR": tmp_path / "no-cluster"}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", "launch.launcher=ray", **lone)
+    assert rc == 2 and "launch.ray.address" in err, err
+    assert "launch.ray.address is not set, RAY_ADDRESS is not set, and this node belongs to no cluster" in err
+    assert "ray start --head --port=6379" in err, err
+    address = f"127.0.0.1:{free_port()}"
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", "launch.launcher=ray",
+                             RAY_ADDRESS=address, **lone)
+    assert rc == 2 and f"no Ray cluster answers at {address}" in err, err
+    rc, _, err = vlmexp_main("validate", DEMO, f"run.output_dir={tmp_path}", "launch.launcher=ray",
+                             RAY_ADDRESS="http://127.0.0.1:8265", **lone)
+    assert rc == 2 and "is the dashboard's address, which `ray job submit` takes" in err, err
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["launch.launcher=ray"], "launcher 'ray' needs launch.ray with its address"),
     (["launch.ray={address: auto}"], "launch.ray is read by launcher ray only"),
     ([*on_ray("auto"), "launch.nproc_per_node=2"], "places launch.ray.num_workers workers itself"),
     ([*on_ray("auto", placement_strategy="ANYWHERE")], "STRICT_SPREAD"),

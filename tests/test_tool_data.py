@@ -102,6 +102,58 @@ def test_malformed_tool_use_is_refused_naming_the_turn(tmp_path, messages, needl
     assert needle in str(e.value) and "bad.jsonl:1" in str(e.value), str(e.value)
 
 
+def test_vstar_annotations_read_as_published_with_their_xywh_boxes(layouts, tmp_path):
+    """V*'s per-image `sa_<n>.json` beside `sa_<n>.jpg`: boxes [x, y, w, h] (one target or two), options[0]
+    right, read as the lettered question test_questions.jsonl asks; the targets reach zoom_on_target."""
+    from vlmexp.tools.zoom import ZoomCounts, answer_zoom_metrics
+
+    root = layouts["vstar"].parent
+    source, records = _sample(tmp_path / "glob", root / "*" / "sa_*.json")
+    assert source.record_format == "vstar_annotation" and len(records) == 4
+    direct, relative = records[0], records[2]  # direct_attributes/ sorts first
+    assert direct.problem == ("What is the colour of the glove?\n(A) red\n(B) blue\n(C) green\n(D) yellow\n"
+                              "Answer with the option's letter from the given choices directly.")
+    assert (direct.solution, direct.method, direct.task) == ("A", "mcq", "exact")
+    assert direct.images == [str(root / "direct_attributes" / "sa_1000.jpg")]
+    assert direct.box == [4.0, 6.0, 34.0, 36.0] and direct.boxes is None  # [4, 6, 30, 30] as x, y, w, h
+    assert direct.extra == {"target_object": ["glove"]}
+    assert relative.box is None
+    assert relative.boxes == [[10.0, 60.0, 30.0, 90.0], [110.0, 50.0, 150.0, 90.0]]
+    assert reward_columns(relative)["bbox"] == relative.boxes
+    assert reward_columns(direct)["bbox"] == direct.box
+    # the glove held, no zoom; a crop over both targets (held), one over the cup only (not held)
+    crops = [[[0, 0, 34, 36]], [], [[0, 40, 160, 120]], [[0, 50, 60, 100]]]
+    metrics = answer_zoom_metrics([ZoomCounts(zooms=len(c)) for c in crops], crops,
+                                  [r.targets for r in records])
+    assert metrics["zoom_on_target"] == 2 / 4
+    _, one_folder = _sample(tmp_path / "folder", root / "relative_position")  # a category's folder
+    assert [r.boxes for r in one_folder] == [relative.boxes] * 2
+
+
+def test_box_lists_of_an_unnamed_form_are_refused_and_box_form_names_it(tmp_path):
+    make_png(tmp_path / "a.png", (64, 48))
+    rows = [{"image": "a.png", "question": "q", "answer": "red", "bbox": [[4, 6, 30, 30]]}]
+    path = write_jsonl(tmp_path / "vqa.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        _sample(tmp_path / "unnamed", path)
+    text = str(e.value)
+    assert "vqa.jsonl:1" in text and "bbox [[4, 6, 30, 30]] lists 1 box(es)" in text
+    assert "`box_form: xywh`" in text and "`box_form: xyxy`" in text
+    for form, box in (("xywh", [4.0, 6.0, 34.0, 36.0]), ("xyxy", [4.0, 6.0, 30.0, 30.0])):
+        result = sample_sources([DataSource(json_path=str(path), box_form=form)],
+                                tmp_path / form / "s.jsonl", 0)
+        assert read_sampled(result.path)[0].box == box
+    rec = write_jsonl(tmp_path / "rec.jsonl",
+                      [{"image": "a.png", "problem": "the dot", "solution": [4, 6, 30, 30]}])
+    result = sample_sources([DataSource(json_path=str(rec), box_form="xywh")], tmp_path / "r" / "s.jsonl", 0)
+    assert read_sampled(result.path)[0].solution == [4.0, 6.0, 34.0, 36.0]
+    write_jsonl(tmp_path / "vqa.jsonl", [{**rows[0], "bbox": [[4, 6, 0, 30]]}])
+    with pytest.raises(DataError) as e:
+        sample_sources([DataSource(json_path=str(path), box_form="xywh")], tmp_path / "w" / "s.jsonl", 0)
+    assert "bbox [4.0, 6.0, 0.0, 30.0] is [x, y, w, h] (box_form xywh) with a width or height of 0" in \
+        str(e.value)
+
+
 def test_bad_target_box_and_unknown_deepeyes_style_are_refused(tmp_path):
     make_png(tmp_path / "a.png", (64, 48))
     path = write_jsonl(tmp_path / "vqa.jsonl", [

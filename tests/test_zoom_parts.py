@@ -94,10 +94,21 @@ def test_zoom_on_target_counts_records_whose_zooms_hold_the_whole_target():
     target = [40, 40, 60, 60]
     crops = [[[0, 0, 112, 112]], [[0, 0, 50, 112], [30, 30, 70, 70]], [[0, 0, 59, 112]], [], [[0, 0, 9, 9]]]
     counts = [ZoomCounts(zooms=len(c)) for c in crops]
-    metrics = answer_zoom_metrics(counts, crops, [target, target, target, target, None])
+    metrics = answer_zoom_metrics(counts, crops, [[target], [target], [target], [target], None])
     # held whole by one crop, by the second of two, cut by a pixel, no zoom; the last record has no box
     assert metrics == {"zooms_per_answer": 5 / 5, "zoomed_share": 4 / 5, "zoom_on_target": 2 / 4}
     assert "zoom_on_target" not in answer_zoom_metrics(counts[:1], crops[:1], [None])
+
+
+def test_zoom_on_target_with_two_targets_needs_both_held():
+    """V*'s relative-position questions name two targets: the zooms held them when each is whole inside one
+    of the crops (one crop for both, or one each); one of the two is not enough."""
+    from vlmexp.tools.zoom import ZoomCounts, answer_zoom_metrics
+
+    left, right = [10, 10, 20, 20], [80, 10, 90, 20]
+    crops = [[[0, 0, 100, 30]], [[5, 5, 25, 25], [75, 5, 95, 25]], [[5, 5, 25, 25]]]
+    metrics = answer_zoom_metrics([ZoomCounts(zooms=len(c)) for c in crops], crops, [[left, right]] * 3)
+    assert metrics["zoom_on_target"] == 2 / 3
 
 
 def test_qwen2_5_vl_tool_template_renders_tools_calls_and_tool_images(tiny_models):

@@ -110,13 +110,67 @@ def being_written(error: BaseException, folder: Path) -> str:
     return str(max(files, key=lambda p: p.stat().st_mtime)) if files else f"a file under {folder}"
 
 
+def full_disk_message(error: BaseException, folder: Path, need: int | None = None,
+                      file: Path | None = None) -> str:
+    """The full disk said as such: the folder, the file being written (`file`, else `being_written`), the
+    room left, the fix. Of the error, the line that says the disk is full (SQLAlchemy's first line is a
+    note on autoflush)."""
+    lines = str(error).strip().splitlines() or [error.__class__.__name__]
+    first = next((line for line in lines if any(t in line.lower() for t in FULL_TEXTS)), lines[0])[:300]
+    needs = f"; one checkpoint of this model needs about {size(need)}" if need else ""
+    return (f"the disk holding {folder} is full: writing {file or being_written(error, folder)} failed "
+            f"({error.__class__.__name__}: {first}); {size(free_bytes(folder))} free there{needs}. "
+            "Free space on that disk, or set run.output_dir to a folder on a larger one, then run "
+            "the same command again: it resumes from the newest complete checkpoint")
+
+
+# the loggers that meet a full disk before the stage's own error does: the hold's heartbeat, the MLflow
+# spool, and MLflow's sqlite store, which logs SQLAlchemy's error with its traceback
+# (mlflow/store/db/utils.py, make_managed_session)
+NOISY_LOGGERS = ("vlmexp.hold", "vlmexp.tracking", "mlflow.store.db.utils",
+                 "mlflow.store.tracking.sqlalchemy_store")
+
+
+class SayFullDiskFirst(logging.Filter):
+    """On NOISY_LOGGERS while a block runs (`said_as_disk_full`): the first log record that meets the full
+    disk becomes the clear message (`full_disk_message`), so that it is the first thing a user reads; each
+    logger's next such record follows once, as its first line without a traceback; the rest are dropped."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.said, self.first = folder, set(), True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        text = record.getMessage()
+        if not (error is not None and is_disk_full(error, self.folder)
+                or any(t in text.lower() for t in FULL_TEXTS)):
+            return True
+        if record.name in self.said:
+            return False
+        self.said.add(record.name)
+        if self.first:
+            self.first = False
+            record.msg = text if text.startswith("the disk holding ") else full_disk_message(
+                error or OSError(errno.ENOSPC, text.splitlines()[0][:300]), self.folder)
+            record.levelno, record.levelname = logging.ERROR, "ERROR"
+        else:
+            record.msg = text.splitlines()[0][:200]
+        record.args, record.exc_info, record.exc_text, record.stack_info = (), None, None, None
+        return True
+
+
 @contextmanager
 def said_as_disk_full(folder: str | Path, checkpoint: Callable[[], int | None] = lambda: None
                       ) -> Iterator[None]:
     """Raise DiskFull (from the original error) for a full disk under the block: naming `folder`, the file
     being written, the room left, and what a checkpoint needs (`checkpoint()`, asked once the block failed:
-    the model it estimates from may only exist by then) when known."""
+    the model it estimates from may only exist by then) when known. While the block runs, what other parts
+    log of the full disk comes after the clear message, briefly (SayFullDiskFirst)."""
     folder = Path(folder).expanduser().resolve()
+    quiet = SayFullDiskFirst(folder)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         yield
     except DiskFull:
@@ -128,9 +182,7 @@ def said_as_disk_full(folder: str | Path, checkpoint: Callable[[], int | None] =
             need = None
         if not is_disk_full(e, folder, need):
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else e.__class__.__name__
-        needs = f"; one checkpoint of this model needs about {size(need)}" if need else ""
-        raise DiskFull(f"the disk holding {folder} is full: writing {being_written(e, folder)} failed "
-                       f"({e.__class__.__name__}: {first}); {size(free_bytes(folder))} free there{needs}. "
-                       "Free space on that disk, or set run.output_dir to a folder on a larger one, then run "
-                       "the same command again: it resumes from the newest complete checkpoint") from e
+        raise DiskFull(full_disk_message(e, folder, need)) from e
+    finally:
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)

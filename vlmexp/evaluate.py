@@ -187,7 +187,8 @@ def evaluate_with_tools(cfg: Config, records: Sequence[SampledRecord], prompts: 
     scores = tool_reward(completions=conversations, **columns_of(records))
     metrics["reward_tool"] = sum(s or 0.0 for s in scores) / max(1, len(scores))
     counts = [zoom_counts(c) for c in conversations]
-    metrics.update(answer_zoom_metrics(counts, [e.crops for e in environments], [r.box for r in records]))
+    metrics.update(answer_zoom_metrics(counts, [e.crops for e in environments],
+                                       [r.targets for r in records]))
     metrics.update(zoom_malformed=float(sum(c.malformed for c in counts)),
                    zoom_outside=float(sum(c.problems.get("outside", 0) for c in counts)),
                    zoom_unanswered=float(sum(c.unanswered for c in counts)))

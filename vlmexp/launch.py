@@ -78,7 +78,8 @@ def ray_submission(launch: LaunchConfig) -> str:
     r = launch.ray
     assert r is not None
     each = {"GPU": r.gpus_per_worker, "CPU": r.cpus_per_worker, **r.resources_per_worker}
-    return (f"Ray actors on {r.address}: {r.num_workers} workers, each "
+    where = r.address or "the cluster RAY_ADDRESS names, else this node's (auto)"
+    return (f"Ray actors on {where}: {r.num_workers} workers, each "
             + ", ".join(f"{v:g} {k}" for k, v in each.items())
             + f"; placement {r.placement_strategy}; up to {r.max_failures} worker-group restarts from the "
             f"newest checkpoint; runtime_env {r.runtime_env or 'none (the nodes have vlmexp installed)'}")

@@ -38,6 +38,42 @@ def ray_missing() -> str | None:
     return None
 
 
+def cluster_address(ray_cfg: RayLaunchConfig) -> tuple[str, str] | str:
+    """(the address, where it came from) by Ray's convention (ray.init(), `ray job submit`):
+    launch.ray.address, else RAY_ADDRESS, else `auto` where this node belongs to a cluster (the GCS address
+    `ray start` left in Ray's temp folder); else why there is none, naming both and how to start a cluster."""
+    import os
+
+    if ray_cfg.address:
+        return ray_cfg.address, "launch.ray.address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    if this_node_cluster() is not None:
+        return "auto", "auto"
+    return ("no Ray cluster to run on: launch.ray.address is not set, RAY_ADDRESS is not set, and this node "
+            "belongs to no cluster (auto finds none): set launch.ray.address or RAY_ADDRESS (as `ray job "
+            f"submit` reads it) to the cluster's address, or {START_A_CLUSTER}")
+
+
+def this_node_cluster() -> str | None:
+    """The GCS address of the cluster this node joined (`ray start`), as Ray's `auto` finds it, or None."""
+    try:
+        from ray._private.services import find_bootstrap_address  # Ray's own lookup behind `auto`
+
+        return find_bootstrap_address(None) or None
+    except Exception:  # noqa: BLE001 - Ray's private lookup changed or failed: no cluster found
+        return None
+
+
+def with_address(ray_cfg: RayLaunchConfig) -> tuple[RayLaunchConfig, str] | str:
+    """`ray_cfg` with the address Ray's convention gives (`cluster_address`) and where it came from, or why
+    there is none."""
+    found = cluster_address(ray_cfg)
+    if isinstance(found, str):
+        return found
+    return ray_cfg.model_copy(update={"address": found[0]}), found[1]
+
+
 def host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of `address` (ray://HOST:PORT or HOST:PORT); None for `auto` (this node's cluster)."""
     if address == "auto":
@@ -50,6 +86,10 @@ def address_problem(address: str, timeout: float = 5.0) -> str | None:
     """None when something answers at `address`; else what is wrong and how to start a cluster."""
     if address == "auto":
         return None
+    if address.startswith(("http://", "https://")):
+        return (f"{address!r} is the dashboard's address, which `ray job submit` takes; a driver connects "
+                "with ray://HEAD:10001 (Ray Client) or HEAD:6379 (the GCS address): set launch.ray.address "
+                "to one of them")
     where = host_port(address)
     if where is None:
         return (f"{address!r} is not a Ray address: write ray://HEAD:10001 (Ray Client), HEAD:6379 (the "
@@ -151,11 +191,14 @@ def connect(ray_cfg: RayLaunchConfig) -> str | None:
 def check_ray_launch(cfg: Config) -> list[tuple[tuple[str, ...], Any, str]]:
     """`launch.launcher: ray`, checked from a command that is not itself a driver: installed, answering,
     then resources and the shared output folder from a child process that connects. (loc, value, problem)."""
-    ray_cfg = cfg.launch.ray
-    if ray_cfg is None:
+    if cfg.launch.ray is None:
         return []
     if msg := ray_missing():
         return [(("launch", "launcher"), "ray", msg)]
+    found = with_address(cfg.launch.ray)
+    if isinstance(found, str):
+        return [(("launch", "ray", "address"), None, found)]
+    ray_cfg, _ = found
     if msg := address_problem(ray_cfg.address):
         return [(("launch", "ray", "address"), ray_cfg.address, msg)]
     folder = Path(cfg.run.output_dir)
@@ -188,6 +231,7 @@ def run_tags(folder: Path) -> dict[str, str]:
         run = json.loads((folder / "run.json").read_text())
         tags |= {"ray.cluster": run["address"], "ray.job_id": run["job_id"], "ray.run_name": run["run_name"],
                  "ray.cluster_nodes": str(run["nodes"])}
+        tags |= {f"ray.{k}": run[k] for k in ("address_from", "gcs_address") if run.get(k)}
     with contextlib.suppress(OSError, ValueError):
         workers = json.loads((folder / "workers.json").read_text())
         tags["ray.nodes"] = str(len({w["node_id"] for w in workers}))

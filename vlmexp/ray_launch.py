@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         connected_problems,
         ray_dir,
         ray_missing,
+        with_address,
         write_marker,
     )
 
@@ -67,9 +68,16 @@ def main(argv: list[str]) -> int:
     except VlmexpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ray_cfg = cfg.launch.ray
-    assert ray_cfg is not None  # the schema refuses launcher ray without it
-    if problem := ray_missing() or address_problem(ray_cfg.address):
+    assert cfg.launch.ray is not None  # the schema gives launcher ray its defaults
+    if missing := ray_missing():
+        print(f"error: launch.ray: {missing}", file=sys.stderr)
+        return 2
+    found = with_address(cfg.launch.ray)
+    if isinstance(found, str):
+        print(f"error: launch.ray.address: {found}", file=sys.stderr)
+        return 2
+    ray_cfg, address_from = found
+    if problem := address_problem(ray_cfg.address):
         print(f"error: launch.ray: {problem}", file=sys.stderr)
         return 2
     if refused := connect(ray_cfg):
@@ -84,7 +92,9 @@ def main(argv: list[str]) -> int:
     name = f"{cfg.run.name}-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "workers.json").unlink(missing_ok=True)  # an earlier run's: this run's are written once placed
-    run = {"address": ray_cfg.address, "job_id": ray.get_runtime_context().get_job_id(), "run_name": name,
+    run = {"address": ray_cfg.address, "address_from": address_from,
+           "gcs_address": ray.get_runtime_context().gcs_address,
+           "job_id": ray.get_runtime_context().get_job_id(), "run_name": name,
            "nodes": sum(1 for n in ray.nodes() if n["Alive"])}
     (folder / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     marker = write_marker(Path(cfg.run.output_dir))

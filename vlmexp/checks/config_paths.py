@@ -33,7 +33,25 @@ def _check_sources(sources: list[DataSource], loc: tuple, origin: str | None = N
             out.append(((*loc, i, "image_root"), src.image_root, f"folder not found{where}; fix image_root"))
         if src.dataset is not None and found.kind != "hub":
             out += [((*loc, i, "dataset"), src.dataset, f"{p.message}{where}") for p in _llamafactory(src)]
+        elif found.kind != "hub" and (media := _first_record_media(src)) is not None:
+            out.append(((*loc, i, "json_path"), src.json_path, f"{media}{where}"))
     return out
+
+
+def _first_record_media(src: DataSource) -> str | None:
+    """Why the source's first record is refused for carrying video or audio (vlmexp.data.media), or None;
+    sampling checks every row it keeps. A source that cannot be read is left to the other checks."""
+    from vlmexp.data.media import media_problem
+    from vlmexp.data.sampling import rename_columns
+    from vlmexp.data.sources import open_table
+
+    try:
+        table = open_table(src)
+        where, record = next(iter(table.take([0]))) if len(table) else ("", None)
+    except (DataError, OSError, ValueError):
+        return None
+    found = media_problem(rename_columns(record, src.columns)) if isinstance(record, dict) else None
+    return None if found is None else f"{where}: {found[1]}"
 
 
 def _llamafactory(src: DataSource) -> list:

@@ -173,22 +173,28 @@ class DataSource(Section):
                                    "Default: the file's or folder's own.")
     task: Task | None = Field(None, description="rec | math | exact | detection; default from the records' "
                               "accu_reward_method, else from the record format.")
-    columns: dict[str, str] | None = Field(None, description="Rename columns to the fields vlmexp reads, "
-                                           "e.g. {problem: question, answer: solution, images: image} "
-                                           "(EasyR1's prompt_key / answer_key / image_key), or a column "
-                                           "of your own to the name rewards receive it under, e.g. "
-                                           "{caption: normal_caption}.")
+    columns: dict[str, str | None] | None = Field(
+        None, description="Rename columns to the fields vlmexp reads, e.g. {problem: question, answer: "
+        "solution, images: image} (EasyR1's prompt_key / answer_key / image_key), or a column of your own to "
+        "the name rewards receive it under, e.g. {caption: normal_caption}; `column: null` drops the "
+        "source's column (e.g. {videos: null}: vlmexp trains images only).")
     subset: str | None = Field(None, description="Hub dataset: the configuration (subset) name.")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit.")
+    box_form: Literal["xyxy", "xywh"] | None = Field(
+        None, description="The form of the boxes the source's records carry (`bbox`, a rec record's "
+        "solution): xyxy [x1, y1, x2, y2] or xywh [x, y, w, h] (top-left corner, width, height), in original "
+        "pixels. Default: the format's own (V* annotations: xywh; vlmexp's `bbox` and VLM-R1's solutions: "
+        "xyxy); a `bbox` listing boxes in a format that names no form is refused without it.")
     dataset: str | None = Field(None, description="A LLaMA-Factory dataset folder: "
                                 "the dataset_info.json entry to read (its file, "
                                 "formatting, columns and tags); only with such a folder.")
 
     @field_validator("columns")
     @classmethod
-    def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+    def _columns(cls, v: dict[str, str | None] | None) -> dict[str, str | None] | None:
         # the field names themselves are checked against vlmexp.data.formats.FIELDS by the check phase
-        if v and len(set(v.values())) != len(v):
+        mapped = [c for c in (v or {}).values() if c is not None]
+        if len(set(mapped)) != len(mapped):
             raise ValueError("columns maps one source column to two fields; map each column once")
         return v
 
@@ -283,9 +289,11 @@ class RayLaunchConfig(Section):
     """A stage on a running Ray cluster (launch.launcher: ray): `num_workers` Ray actors in a placement group
     run the stage function, as torchrun's ranks do (vlmexp.ray_launch)."""
 
-    address: str = Field(..., description="The running cluster: ray://HEAD:10001 (Ray Client: this "
-                         "machine need not be a node), HEAD:6379 (the GCS address, from a node), or auto "
-                         "(the cluster this node belongs to).")
+    address: str | None = Field(None, description="The running cluster: ray://HEAD:10001 (Ray Client: "
+                                "this machine need not be a node), HEAD:6379 (the GCS address, from a node), "
+                                "or auto (the cluster this node belongs to). Not set: Ray's own rule, as "
+                                "ray.init() and `ray job submit` follow it: RAY_ADDRESS, else auto, else "
+                                "refused naming both.")
     num_workers: PositiveInt = Field(1, description="Training processes (ranks); one GPU each when "
                                      "gpus_per_worker is 1.")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs each worker reserves (0 trains on CPU).")
@@ -339,9 +347,8 @@ class LaunchConfig(Section):
         if self.accelerate_config and self.launcher != "accelerate":
             raise ValueError("launch.accelerate_config is read by accelerate only; "
                              f"launcher is {self.launcher!r}")
-        if self.launcher == "ray" and self.ray is None:
-            raise ValueError("launcher 'ray' needs launch.ray with its address, e.g. "
-                             "launch.ray: {address: 'ray://head:10001', num_workers: 2}")
+        if self.launcher == "ray" and self.ray is None:  # the defaults: the cluster Ray's own rule finds
+            self.ray = RayLaunchConfig()
         if self.launcher != "ray" and self.ray is not None:
             raise ValueError(f"launch.ray is read by launcher ray only; launcher is {self.launcher!r}")
         if self.launcher == "ray" and (self.nproc_per_node > 1 or self.nnodes > 1 or self.hostfile):

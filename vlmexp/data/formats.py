@@ -31,8 +31,11 @@ sampler then checks the images and writes the SampledRecord (vlmexp.data.normali
     (DeepEyes asks one), by VLM-R1's default where it is "rule".
 (k) "vstar": V* Bench's test_questions.jsonl (craigwu/vstar_bench), {"image", "text" (the question with its
     options (A) ..., (D)), "label" (the option letter), "question_id", "category"}: a multiple-choice record.
-(l) "vqa": a question about an image, {"image" or "images", "question", "answer"}, optional "bbox": the
-    target's box [x1, y1, x2, y2] in original pixels (any format may carry one).
+(l) "vstar_annotation": V* Bench's per-image annotation (penghao-wu/vstar README, "Benchmark"), `sa_<n>.json`
+    beside `sa_<n>.jpg`, {"target_object": [names], "bbox": [[x, y, w, h], ...], "question", "options"}: the
+    lettered multiple-choice question test_questions.jsonl asks, options[0] the right one (vlmexp.data.boxes).
+(m) "vqa": a question about an image, {"image" or "images", "question", "answer"}, optional "bbox": the
+    target's box [x1, y1, x2, y2] in original pixels (any format may carry one; its form: vlmexp.data.boxes).
 Conversational formats may hold tool use between the question and the answer (vlmexp.data.turns): the
 assistant's calls and the tools' turns, whose images follow the question's in "images".
 
@@ -48,6 +51,7 @@ from typing import Any
 
 from vlmexp.config.schema import TASKS
 from vlmexp.coords import parse_box
+from vlmexp.data.boxes import target_boxes, to_xyxy, vstar_question
 from vlmexp.data.turns import Conversation, Tags, Turn, answer_text, conversation, read_turns, text_of
 
 # the fields that make a record one format (what `vlmexp sample --explain` shows and a record fitting none is
@@ -64,6 +68,7 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "rec": ("image", "problem", "solution"),
     "deepeyes": ("prompt", "reward_model"),
     "vstar": ("image", "text", "label"),
+    "vstar_annotation": ("question", "options", "image (the file of the same name beside it)"),
     "vqa": ("image or images", "question", "answer"),
 }
 FORMATS = tuple(FORMAT_FIELDS)
@@ -95,7 +100,7 @@ REFUSED_METHODS: dict[str, str] = {}  # methods VLM-R1 defines that vlmexp does 
 FIELDS = ("image", "images", "problem", "question", "solution", "answer", "conversations", "messages",
           "prompt", "completion", "system", "instruction", "input", "output", "history", "accu_reward_method",
           "task", "id", "chosen", "rejected", "rejected_response", "demonstration", "bbox", "text", "label",
-          "reward_model")
+          "reward_model", "options")
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Example:
     system: str | None = None  # the record's own system message
     history: list[dict[str, str]] = field(default_factory=list)  # turns before the last user turn
     tool_turns: list[dict[str, Any]] = field(default_factory=list)  # tool use before the answer (turns.py)
-    box: list[float] | None = None  # the target's box in original pixels (`bbox`)
+    boxes: list[list[float]] | None = None  # the targets' boxes, xyxy in original pixels (`bbox`)
 
 
 def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
@@ -141,6 +146,8 @@ def detect_format(record: dict[str, Any]) -> tuple[str, list[str]] | None:
         return "preference", ["chosen", "rejected"]
     if "chosen" in has or "rejected" in has:
         return "pairs", [k for k in ("chosen", "rejected") if k in has]
+    if "question" in record and "options" in record:
+        return "vstar_annotation", ["question", "options"]
     if "question" in record and "answer" in has:
         return "vqa", ["question", "answer"]
     if "text" in record and "label" in record and "image" in record:
@@ -164,8 +171,10 @@ def no_format(record: dict[str, Any]) -> str:
             "docs/data-formats.md, or map the source's columns with `columns:`")
 
 
-def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None) -> Example:
-    """The record's Example, or ValueError naming the missing or malformed field and the fix."""
+def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None,
+                 box_form: str | None = None) -> Example:
+    """The record's Example, or ValueError naming the missing or malformed field and the fix; `box_form`: the
+    source's (vlmexp.data.boxes)."""
     def need(key: str) -> Any:
         if key not in record or record[key] is None:
             raise ValueError(f"missing field {key!r} (format {fmt!r} needs {', '.join(FORMAT_FIELDS[fmt])})")
@@ -190,6 +199,13 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
     elif fmt == "vstar":
         images, problem, solution = _as_list(need("image"), "image"), need("text"), need("label")
         record = {"accu_reward_method": "mcq", **record}  # V*'s label is the option letter
+    elif fmt == "vstar_annotation":
+        if "image" not in record:
+            raise ValueError("no image: a V* annotation `sa_<n>.json` pairs with the image of the same name "
+                             "beside it (`sa_<n>.jpg`); put the image there, or give the record an `image`")
+        images = _as_list(record["image"], "image")
+        problem, solution = vstar_question(record, need)
+        record = {"accu_reward_method": "mcq", **record}
     elif fmt == "deepeyes":
         images, problem, solution, parts, record = _deepeyes(record, need, tags or Tags())
     else:
@@ -202,26 +218,13 @@ def parse_record(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError("the question (problem) is empty; give each record a question")
     if task == "rec":
-        solution, parts["demonstration"] = _boxes(record, solution)
+        solution, parts["demonstration"] = _boxes(record, solution, box_form or "xyxy")
     else:
         solution = str(solution)
         _check_solution(solution, method, len(images))
     record_id = next((str(record[k]) for k in ("id", "question_id") if record.get(k) is not None), None)
     return Example(images=images, problem=problem, solution=solution, task=task, method=method, id=record_id,
-                   box=_target_box(record), **parts)
-
-
-def _target_box(record: dict[str, Any]) -> list[float] | None:
-    """The record's `bbox` (the target's box in original pixels), or None; ValueError when it holds none."""
-    from vlmexp.data.images import describe
-
-    if record.get("bbox") is None:
-        return None
-    box = parse_box(record["bbox"])
-    if box is None:
-        raise ValueError(f"bbox {describe(record['bbox'])} holds no box; write the target's [x1, y1, x2, y2] "
-                         "in original pixels or drop the field")
-    return box
+                   boxes=target_boxes(record, fmt, box_form), **parts)
 
 
 def _deepeyes(record: dict[str, Any], need, tags: Tags) -> tuple[list, str, Any, dict[str, Any], dict]:
@@ -255,6 +258,8 @@ def read_fields(record: dict[str, Any], fmt: str) -> set[str]:
         return common | {"image", "images", "question", "answer"}
     if fmt == "vstar":
         return common | {"image", "text", "label", "question_id"}
+    if fmt == "vstar_annotation":
+        return common | {"image", "question", "options"}
     if fmt == "deepeyes":
         return common | {"prompt", "images", "reward_model"}
     if fmt == "pairs":
@@ -370,21 +375,23 @@ def _method_and_task(record: dict[str, Any], task: str | None, fmt: str) -> tupl
     return method, task
 
 
-def _boxes(record: dict[str, Any], solution: Any) -> tuple[list[float], list[float] | None]:
-    """A rec record's solution box and its demonstration box (or None), or ValueError with the fix."""
+def _boxes(record: dict[str, Any], solution: Any, form: str) -> tuple[list[float], list[float] | None]:
+    """A rec record's solution box and its demonstration box (or None) as xyxy, or ValueError with the
+    fix; `form`: the source's box form."""
     from vlmexp.data.images import describe
 
     box = parse_box(solution)
     if box is None:
         raise ValueError(f"solution {describe(solution)} holds no box; write [x1, y1, x2, y2] in original "
                          "pixels")
+    box = to_xyxy(box, form, "solution")
     if record.get("demonstration") is None:
         return box, None
     shown = parse_box(record["demonstration"])
     if shown is None:
         raise ValueError(f"demonstration {describe(record['demonstration'])} holds no box; write [x1, y1, "
                          "x2, y2] in original pixels or drop the field")
-    return box, shown
+    return box, to_xyxy(shown, form, "demonstration")
 
 
 def _method(record: dict[str, Any]) -> str | None:

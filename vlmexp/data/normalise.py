@@ -44,9 +44,10 @@ def check_box(box: list[float], size: tuple[int, int] | list[int]) -> str | None
     return None
 
 
-def read_example(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None) -> Example:
+def read_example(record: dict[str, Any], fmt: str, task: str | None, tags: Tags | None = None,
+                 box_form: str | None = None) -> Example:
     """The record's Example in the source's format, or ValueError naming the field and the fix."""
-    ex = parse_record(record, fmt, task, tags)  # names a missing field and what the format needs
+    ex = parse_record(record, fmt, task, tags, box_form)  # names a missing field and what the format needs
     if (detect_format(record) or ("",))[0] != fmt:
         raise ValueError(f"record is not in the source's format {fmt!r} (detected from its first record); "
                          f"give every record of a source the same format")
@@ -57,11 +58,11 @@ def read_example(record: dict[str, Any], fmt: str, task: str | None, tags: Tags 
 
 def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, image_root: str | None,
               store: ImageStore, origin: Origin,
-              tags: Tags | None = None) -> tuple[SampledRecord, int] | Problem:
+              tags: Tags | None = None, box_form: str | None = None) -> tuple[SampledRecord, int] | Problem:
     """(the SampledRecord, how many of its images were embedded) or the record's first problem; `tags`: how a
-    LLaMA-Factory source names message keys and roles."""
+    LLaMA-Factory source names message keys and roles; `box_form`: the source's (vlmexp.data.boxes)."""
     try:
-        ex = read_example(record, fmt, task, tags)
+        ex = read_example(record, fmt, task, tags, box_form)
     except ValueError as e:
         return Problem(where, "", str(e))
     extra = source_extra(record, fmt)
@@ -73,8 +74,9 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
     paths, sizes = [r[0] for r in resolved], [list(r[1]) for r in resolved]
     if (msg := _box_problem(ex, sizes)) is not None:
         return Problem(where, "solution", msg)
-    if ex.box is not None and (msg := check_box(ex.box, sizes[0])) is not None:
-        return Problem(where, "bbox", f"the target's {msg}")
+    for box in ex.boxes or []:
+        if (msg := check_box(box, sizes[0])) is not None:
+            return Problem(where, "bbox", f"the target's {msg}")
     embedded = [not isinstance(ref, str) and not (isinstance(ref, dict) and ref.get("bytes") is None)
                 for ref in ex.images]
     # machine-independent names: embedded images by their stored name (relative to the store's parent, the
@@ -87,7 +89,9 @@ def normalise(record: dict[str, Any], fmt: str, task: str | None, where: str, im
                          source_id=origin.source_id, source_row=origin.row, record_format=fmt, id=ex.id,
                          system=ex.system, history=ex.history, target=ex.target,
                          demonstration=ex.demonstration, rejected=ex.rejected, extra=extra,
-                         tool_turns=ex.tool_turns, box=ex.box), sum(embedded)
+                         tool_turns=ex.tool_turns,
+                         box=ex.boxes[0] if ex.boxes and len(ex.boxes) == 1 else None,
+                         boxes=ex.boxes if ex.boxes and len(ex.boxes) > 1 else None), sum(embedded)
 
 
 def _binary(value: Any) -> bool:

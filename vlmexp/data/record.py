@@ -60,13 +60,21 @@ class SampledRecord:
     # calls: {role: assistant, content: text with its calls as <tool_call>...</tool_call>} and {role: tool,
     # content: text, images: n}; the tool turns' images follow the question's in `images`, in order
     tool_turns: list[dict[str, Any]] = field(default_factory=list)
-    box: list[float] | None = None  # the target's box in original pixels (V*-style records), or None
+    box: list[float] | None = None  # the target's box, xyxy in original pixels (V*-style records), or None
+    # every target's box (xyxy) where the question has several (V*'s relative-position questions); `box` is
+    # None then
+    boxes: list[list[float]] | None = None
     schema: int = SCHEMA_VERSION
 
     @property
     def question_images(self) -> list[str]:
         """The images of the question (a prompt's), without those the tool turns brought."""
         return self.images[:len(self.images) - sum(t.get("images", 0) for t in self.tool_turns)]
+
+    @property
+    def targets(self) -> list[list[float]] | None:
+        """Every target's box (xyxy), or None where the record carries none."""
+        return self.boxes if self.boxes is not None else None if self.box is None else [self.box]
 
     @property
     def where(self) -> str:
@@ -137,7 +145,8 @@ OWN_COLUMNS = {
     "solution": "the answer rewards grade", "task": "the task that scores the answer",
     "accu_reward_method": "how the answer is scored", "image_sizes": "the question's images' [width, height]",
     "source_row": "the record's row in its source", "image_path": "the first image's path",
-    "bbox": "the target's box in original pixels, or None",
+    "bbox": "the target's box [x1, y1, x2, y2] in original pixels (a list of them where the question has "
+            "several targets), or None",
     "prompt": "GRPO's prompt column", "image": "GRPO's image column", "images": "GRPO's images column",
     "prompts": "TRL's prompts argument", "completions": "TRL's completions argument",
     "completion": "TRL's completion column", "completion_ids": "TRL's completion_ids argument",
@@ -178,13 +187,13 @@ def reward_columns(record: SampledRecord, names: Sequence[str] = ()) -> dict[str
     dataset columns; DPO's sample scoring, the difficulty filter, validation and evaluation pass the same):
     the source's own fields (`source_columns`; `names` it lacks as None, for rows of several sources), then
     vlmexp's: the solution as a string (a box as JSON), task, method, sizes, row, first image, the target's
-    box."""
+    box (boxes, where several)."""
     return {**{name: None for name in names}, **source_columns(record),
             "solution": json.dumps(record.solution) if record.task == "rec" else str(record.solution),
             "task": record.task, "accu_reward_method": record.method,
             "image_sizes": record.image_sizes[:len(record.question_images)],
             "source_row": record.source_row, "image_path": record.images[0] if record.images else "",
-            "bbox": record.box}
+            "bbox": record.boxes if record.boxes is not None else record.box}
 
 
 def source_column_names(records: Iterable[SampledRecord]) -> list[str]:

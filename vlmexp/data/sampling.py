@@ -22,6 +22,7 @@ from vlmexp.config.schema import DataSource
 from vlmexp.data import llamafactory
 from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE, detect_format, no_format
 from vlmexp.data.images import ImageStore
+from vlmexp.data.media import media_problem
 from vlmexp.data.normalise import Origin, normalise
 from vlmexp.data.record import SCHEMA_VERSION, SampledRecord, content_sha256, reward_name, source_column_names
 from vlmexp.data.sources import locate, open_table, sha256_file
@@ -76,16 +77,20 @@ def _default_image_root(src: DataSource, kind: str) -> str | None:
     return str((p if p.is_dir() else p.parent).resolve())
 
 
-def _rename(record: dict[str, Any], columns: dict[str, str] | None) -> dict[str, Any]:
+def rename_columns(record: dict[str, Any], columns: dict[str, str | None] | None) -> dict[str, Any]:
+    """`record` with the source's `columns` applied: `field: column` renames, `column: null` drops."""
     if not columns:
         return record
-    out = {k: v for k, v in record.items() if k not in columns.values()}
-    out.update({target: record[column] for target, column in columns.items()})
+    dropped = {name for name, column in columns.items() if column is None}
+    out = {k: v for k, v in record.items() if k not in columns.values() and k not in dropped}
+    out.update({target: record[column] for target, column in columns.items() if column is not None})
     return out
 
 
 def _missing_columns(src: DataSource, have: list[str] | None) -> Problem | None:
-    missing = [c for c in (src.columns or {}).values() if have is not None and c not in have]
+    # a dropped column (`column: null`) may be absent from a row: rows of a JSON source differ in their keys
+    missing = [c for c in (src.columns or {}).values()
+               if c is not None and have is not None and c not in have]
     if not missing:
         return None
     return Problem(src.json_path, "columns", f"mapped column(s) {missing} not in the source, which has "
@@ -117,12 +122,15 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
         if (missing := _missing_columns(src, list(raw))) is not None:
             problems.append(Problem(where, "columns", missing.message))
             continue
-        record = _rename(raw, src.columns)
+        record = rename_columns(raw, src.columns)
+        if (media := media_problem(record)) is not None:
+            problems.append(Problem(where, *media))
+            continue
         found = found or detect_format(record)
         if found is None:
             raise DataError(Problem(where, "", no_format(record)))
         kept = normalise(record, found[0], src.task, where, image_root, store,
-                         Origin(table.name, identity, i), tags)
+                         Origin(table.name, identity, i), tags, src.box_form)
         if isinstance(kept, Problem):
             problems.append(kept)
             continue
@@ -145,8 +153,9 @@ def sample_source(src: DataSource, seed: int, store: ImageStore, judged: bool = 
 def sample_sources(sources: list[DataSource], out_path: str | Path, seed: int,
                    judged: bool = False) -> SampleResult:
     """Sample every source, validate, and write OUT.jsonl, OUT.manifest.json and images/ atomically; `judged`:
-    a judge reward will score records of the `llm` method (`sample_source`)."""
-    out = Path(out_path)
+    a judge reward will score records of the `llm` method (`sample_source`). A relative `out_path` is taken
+    from the working folder, and the records hold absolute image paths all the same."""
+    out = Path(out_path).expanduser().absolute()
     store = ImageStore(out.parent / IMAGES_DIR)
     try:
         return _sample_into(sources, out, seed, store, judged)

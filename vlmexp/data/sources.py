@@ -247,8 +247,8 @@ def check_source(src: DataSource) -> list[tuple[str, Any, str]]:
         parse_strategy(src.sampling_strategy)
     except ValueError as e:
         out.append(("sampling_strategy", src.sampling_strategy, str(e)))
-    for name in src.columns or {}:
-        if (msg := own_name_problem(name)) is not None:
+    for name, column in (src.columns or {}).items():
+        if column is not None and (msg := own_name_problem(name)) is not None:
             out.append(("columns", src.columns, msg))
     return out
 

@@ -115,10 +115,12 @@ class JsonListTable:
                                     f"malformed JSON ({e.msg}); fix the file")) from None
         except RecursionError:
             raise DataError(Problem(str(path), "", "JSON nested too deeply; fix the file")) from None
+        if isinstance(data, dict):  # one record a file, beside its image (V* Bench's annotations)
+            data = [paired_image(data, path)]
         if not isinstance(data, list):
-            raise DataError(Problem(str(path), "", f"a .json source must hold a list of records, got "
-                                                   f"{type(data).__name__}; use .jsonl for one record a "
-                                                   f"line"))
+            raise DataError(Problem(str(path), "", f"a .json source must hold a list of records or one "
+                                                   f"record, got {type(data).__name__}; use .jsonl for one "
+                                                   f"record a line"))
         self._data = data
 
     def __len__(self) -> int:
@@ -132,6 +134,19 @@ class JsonListTable:
             record = self._data[i]
             yield f"{self.path}[{i}]", record if isinstance(record, dict) else \
                 f"each record must be a JSON object, got {type(record).__name__}"
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
+
+
+def paired_image(record: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A one-record .json file's record with its image where it names none: the image file of the same name
+    beside it (V* Bench: "the image and annotation files are paired according to the filename",
+    penghao-wu/vstar README; vstar_bench_eval.py opens `sa_<n>.json` for `sa_<n>.jpg`)."""
+    if "image" in record or "images" in record:
+        return record
+    found = [path.with_suffix(s) for s in IMAGE_SUFFIXES if path.with_suffix(s).is_file()]
+    return {**record, "image": str(found[0].resolve())} if len(found) == 1 else record
 
 
 class ParquetTable:

@@ -110,6 +110,7 @@ class Hold:
         self.folder, self.holder, self.path = folder, holder, folder / HOLD_NAME
         self.made_folder = made_folder  # the folder did not exist: left empty, it goes with the hold
         self._stop = threading.Event()
+        self._failed = False  # the last renewal failed (a full disk is said once, not every heartbeat)
         self._thread = threading.Thread(target=self._beat, name="vlmexp-hold-heartbeat", daemon=True)
         self._thread.start()
 
@@ -126,8 +127,19 @@ class Hold:
                 return
             try:
                 _write(self.path, Holder(**{**asdict(self.holder), "heartbeat": time.time()}), replace=True)
+                self._failed = False
             except OSError as e:  # a full disk: the holder looks stale after STALE_PERIODS, never silently
-                log.warning("could not renew the hold on %s: %s", self.folder, e)
+                self._renew_failed(e)
+
+    def _renew_failed(self, e: OSError) -> None:
+        """Say a failed renewal: a full disk as such (vlmexp.disk) once, not again while it stays full."""
+        from vlmexp.disk import full_disk_message, is_disk_full
+
+        if not is_disk_full(e, self.folder):
+            log.warning("could not renew the hold on %s: %s", self.folder, e)
+        elif not self._failed:
+            log.error("%s", full_disk_message(e, self.folder, file=self.path))
+        self._failed = True
 
     def release(self) -> None:
         """Stop the heartbeat and remove the holder file, if it is still this run's; and the folder, if the

@@ -144,17 +144,24 @@ def holds(crop: list[int], box: list[float]) -> bool:
     return crop[0] <= box[0] and crop[1] <= box[1] and crop[2] >= box[2] and crop[3] >= box[3]
 
 
+def held_targets(crops: list[list[int]], targets: list[list[float]]) -> bool:
+    """Whether an answer's zooms held its targets: every target whole inside at least one of the crops (one
+    crop holding them all, or one crop each). A question about two objects' relative position (V*'s) needs
+    both seen, so holding one of them does not count."""
+    return all(any(holds(c, box) for c in crops) for box in targets)
+
+
 def answer_zoom_metrics(counts: list[ZoomCounts], crops: list[list[list[int]]],
-                        boxes: list[list[float] | None]) -> dict[str, float]:
+                        targets: list[list[list[float]] | None]) -> dict[str, float]:
     """Evaluation's and validation's zoom metrics over one conversation a record: zooms_per_answer,
-    zoomed_share and, where records carry the target's box (V*-style `bbox`), zoom_on_target: the share of
-    those whose zooms include one that holds the whole target."""
+    zoomed_share and, where records carry their targets' boxes (V*-style `bbox`, one box or several),
+    zoom_on_target: the share of those whose zooms held every target (`held_targets`)."""
     n = max(1, len(counts))
     metrics = {"zooms_per_answer": sum(c.zooms for c in counts) / n,
                "zoomed_share": sum(c.zooms > 0 for c in counts) / n}
-    boxed = [(shown, box) for shown, box in zip(crops, boxes, strict=True) if box is not None]
+    boxed = [(shown, boxes) for shown, boxes in zip(crops, targets, strict=True) if boxes]
     if boxed:
-        held = sum(any(holds(c, box) for c in shown) for shown, box in boxed)
+        held = sum(held_targets(shown, boxes) for shown, boxes in boxed)
         metrics["zoom_on_target"] = held / len(boxed)
     return metrics
 

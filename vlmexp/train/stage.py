@@ -195,7 +195,10 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         trainer.add_callback(models)
         trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before TrainerLogs
     try:
-        trainer.train(resume_from_checkpoint=inputs.resume_from)
+        if finished_at(trainer, inputs.resume_from):
+            restore_finished(trainer, inputs.resume_from)
+        else:
+            trainer.train(resume_from_checkpoint=inputs.resume_from)
         final = inputs.stage_dir / "final"
         trainer.save_model(str(final))
         if trainer.args.should_save:
@@ -212,6 +215,26 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         raise
     run.close("FINISHED")  # waits a bounded time for the records the store has not taken yet
     return final
+
+
+def finished_at(trainer, checkpoint: str | None) -> bool:
+    """Whether `checkpoint` is at the stage's last step already (a task retried after its stage ended: its
+    store did not take the records in time). Transformers' Trainer checks max_steps only after each step, so
+    resuming there would train one step the run never asked for, and log it as step max_steps + 1."""
+    if checkpoint is None or trainer.args.max_steps <= 0:
+        return False
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return state["global_step"] >= trainer.args.max_steps
+
+
+def restore_finished(trainer, checkpoint: str) -> None:
+    """The trainer as the stage left it at `checkpoint` (its weights and state), without another step."""
+    from transformers.trainer_callback import TrainerState
+
+    log.info("%s is at max_steps (%d): training is over; the final model is saved from it", checkpoint,
+             trainer.args.max_steps)
+    trainer._load_from_checkpoint(checkpoint)  # what `train` loads first (weights, or a PEFT adapter)
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
 
 
 def peak_memory() -> dict[str, float]:

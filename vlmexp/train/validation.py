@@ -215,7 +215,7 @@ class Validation(TrainerCallback):
         metrics, rows = held.score([completion_text(c) for c in conversations])
         counts = [zoom_counts(c) for c in conversations]
         metrics.update(answer_zoom_metrics(counts, [e.crops for e in environments],
-                                           [r.box for r in held.records]))
+                                           [r.targets for r in held.records]))
         self.zoomed = [(row, list(e.crops)) for row, e in zip(rows, environments, strict=True)]
         return {f"{PREFIX}tool_{k}": v for k, v in metrics.items() if k != "count"}
 
