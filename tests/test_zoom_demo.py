@@ -19,11 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def zoom_run(tmp_path_factory):
-    """The demo config's data (its offset annotator, close-ups of the crops that hold the target), generated
-    and sampled small: (config, train records, val records)."""
+    """The demo config's data with its annotator's windows moved off the target (data.zoom_demo.
+    annotator_offset) and close-ups of the crops that hold it, generated and sampled small: (config, train
+    records, val records)."""
     out = tmp_path_factory.mktemp("zoom-demo")
     cfg = load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={out}", "data.zoom_demo.train=32",
-                                                         "data.zoom_demo.val=8", "tracking.backend=none"])
+                                                         "data.zoom_demo.val=8", "data.zoom_demo.closeup=1.0",
+                                                         "data.zoom_demo.annotator_offset=0.75",
+                                                         "tracking.backend=none"])
     prepared = prepare_data(cfg)
     return cfg, read_sampled(prepared.train), read_sampled(prepared.val)
 
