@@ -19,11 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def zoom_run(tmp_path_factory):
-    """The demo config's data with close-ups (data.zoom_demo.closeup), generated and sampled small: (config,
-    train records, val records)."""
+    """The demo config's data with its annotator's windows moved off the target (data.zoom_demo.
+    annotator_offset) and close-ups of the crops that hold it, generated and sampled small: (config, train
+    records, val records)."""
     out = tmp_path_factory.mktemp("zoom-demo")
-    cfg = load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={out}", "data.zoom_demo.train=24",
-                                                         "data.zoom_demo.val=8", "data.zoom_demo.closeup=0.5",
+    cfg = load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={out}", "data.zoom_demo.train=32",
+                                                         "data.zoom_demo.val=8", "data.zoom_demo.closeup=1.0",
+                                                         "data.zoom_demo.annotator_offset=0.75",
                                                          "tracking.backend=none"])
     prepared = prepare_data(cfg)
     return cfg, read_sampled(prepared.train), read_sampled(prepared.val)
@@ -51,7 +53,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     from PIL import Image
 
     from vlmexp.coords import from_frame
-    from vlmexp.data.zoom_demo import COLOURS, box_frame_of
+    from vlmexp.data.zoom_demo import COLOURS, box_frame_of, holds, window_box
     from vlmexp.families import get_family
     from vlmexp.processor import load_processor
     from vlmexp.tools.zoom import crop_box
@@ -64,7 +66,8 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     assert frame.budget == budget and frame.frame == "pixels"  # the calls are in the processor's own frame
     processed = processor.image_processor(images=[Image.open(train[0].images[0])], return_tensors="pt")
     assert processed["image_grid_thw"].tolist() == [[1, 8, 8]]  # 224 px shrunk to 112: 16 vision tokens
-    colours, direct, closeups = set(), 0, []
+    colours, direct, closeups, held = set(), 0, [], set()
+    reach = cfg.data.zoom_demo.annotator_offset * 112 + 1  # pixels a window moves off the centred one
     for record in train:
         assert record.record_format == "messages" and record.solution in COLOURS and record.box is not None
         image = Image.open(record.images[0]).convert("RGB")
@@ -97,10 +100,12 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
         assert [round(v) for v in window] == cropped  # a half-image window: the crop itself
         assert cropped[2] - cropped[0] == cropped[3] - cropped[1] == 112
         assert all(v % 2 == 0 for v in cropped)  # on even pixels: the checkerboard's phase
-        assert cropped[0] <= record.box[0] and cropped[1] <= record.box[1]  # the whole target inside
-        assert cropped[2] >= record.box[2] and cropped[3] >= record.box[3]
-        centre, middle = (record.box[0] + record.box[2]) / 2, (cropped[0] + cropped[2]) / 2
-        assert abs(centre - middle) <= 1 or cropped[0] in (0, 112)  # centred on the target, or at an edge
+        centred = window_box(record.box, 224, 0.5, centred=True)  # the window centred on the target, moved
+        for axis in (0, 1):  # off it by up to the annotator's offset, or to an edge
+            moved = abs(cropped[axis] - centred[axis])
+            assert moved <= reach or cropped[axis] in (0, 112), (centred, cropped)
+        if holds(cropped, record.box):
+            held.add(record.images[1])
         shown = _demodulated(image, record.box, cfg.data.zoom_demo.frame)
         assert np.abs(shown - np.array(COLOURS[record.solution])).max() < 1  # the zoom shows the colour
         assert record.target.endswith(f"<answer>{record.solution}</answer>")
@@ -109,7 +114,7 @@ def test_colour_hidden_at_the_budget_and_shown_by_the_zoom(zoom_run, tiny_models
     # each close-up is a demonstration's crop, with its answer
     demonstrations = {r.images[1]: r for r in train if r.tool_turns}
     assert closeups and all(demonstrations[r.images[0]].solution == r.solution for r in closeups)
-    assert len(closeups) < len(demonstrations)
+    assert {r.images[0] for r in closeups} == held != set(demonstrations)  # only crops that hold the target
     assert [r.record_format for r in val] == ["vqa"] * 8 and all(r.tool_turns == [] for r in val)
     # the colours take turns: one answer for all scores a quarter
     assert sorted(r.solution for r in val) == sorted([*COLOURS] * 2)
@@ -136,6 +141,42 @@ def test_same_seed_same_data_another_frame_another_folder(zoom_run, tmp_path):
                        r"\(18 pixels\): give target a low side above 20"):
         load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={tmp_path}", "data.zoom_demo.frame=9",
                                                       "data.zoom_demo.target=[18, 24]"])
+
+
+def test_the_offset_annotator_clips_or_misses_the_target_and_zero_offset_holds_it(zoom_run, tmp_path):
+    """data.zoom_demo.annotator_offset: the half-image window moved off the target by up to that share of its
+    side holds the whole target only sometimes and misses its colour sometimes, on even pixels inside the
+    image; without it every window holds the target. It needs a window to move."""
+    import random
+
+    from vlmexp.data.zoom_demo import box_frame_of, crop_window, holds, make_image, scenes_of, zoom_call
+
+    cfg, _, _ = zoom_run
+    frame, border = box_frame_of(cfg), cfg.data.zoom_demo.frame
+
+    def shares(offset: float) -> tuple[float, float]:
+        scenes = scenes_of(cfg.data.zoom_demo.model_copy(update={"annotator_offset": offset}))
+        rng, noise, held, missed = random.Random(0), random.Random(1), 0, 0
+        for _ in range(200):
+            image, _, box = make_image(rng, scenes)
+            crop = crop_window(image, zoom_call(noise, box, scenes, frame), frame)
+            assert crop[2] - crop[0] == crop[3] - crop[1] == 112 and all(v % 2 == 0 for v in crop)
+            assert 0 <= crop[0] and 0 <= crop[1] and crop[2] <= 224 and crop[3] <= 224
+            held += holds(crop, box)
+            inner = [box[0] + border, box[1] + border, box[2] - border, box[3] - border]
+            missed += (min(crop[2], inner[2]) <= max(crop[0], inner[0])
+                       or min(crop[3], inner[3]) <= max(crop[1], inner[1]))
+        return held / 200, missed / 200
+
+    assert cfg.data.zoom_demo.annotator_offset == 0.75
+    held, missed = shares(0.75)
+    assert 0.2 <= held <= 0.5 and 0.1 <= missed <= 0.3, (held, missed)
+    assert shares(0.0) == (1.0, 0.0)
+    with pytest.raises(ValueError, match=r"annotator_offset 0.5 moves the annotator's window: set "
+                       r"annotator_window \(e.g. 0.5\) too, or annotator_offset: 0"):
+        load_config(REPO / "configs/demo_zoom.yaml", [f"run.output_dir={tmp_path}",
+                                                      "data.zoom_demo.annotator_window=0",
+                                                      "data.zoom_demo.annotator_offset=0.5"])
 
 
 @pytest.mark.slow

@@ -84,6 +84,12 @@ class ZoomDemoConfig(Section):
         "the image, its corners on even pixels so that the crop keeps the checkerboard's phase), so the "
         "call's numbers follow the target's place as a grounding box does; false: the grid's window nearest "
         "it.")
+    annotator_offset: float = Field(
+        0, ge=0, le=1, description="With annotator_window: each demonstration's window is moved along "
+        "each axis by a uniform draw in [-o, +o] x its side (even pixels, kept inside the image), so that it "
+        "often clips or misses the target, as a careless annotator's zoom: SFT then learns to call the tool "
+        "near the target but not yet where it holds it, which GRPO, paid for a right answer after a zoom, "
+        "must learn. The answer stays the right colour. 0: the window as annotator_centred says.")
     direct: float = Field(
         0, ge=0, lt=1, description="The share of training records that answer without the tool: the question "
         "and the image, no tools block, the answer (what evaluation without the tool asks; at the budget the "
@@ -103,6 +109,9 @@ class ZoomDemoConfig(Section):
 
     @model_validator(mode="after")
     def _frame(self) -> ZoomDemoConfig:
+        if self.annotator_offset and not self.annotator_window:
+            raise ValueError(f"annotator_offset {self.annotator_offset} moves the annotator's window: set "
+                             "annotator_window (e.g. 0.5) too, or annotator_offset: 0")
         if self.target[0] <= 2 * self.frame + 2:
             raise ValueError(f"frame {self.frame} leaves no colour inside the smallest target "
                              f"({self.target[0]} pixels): give target a low side above {2 * self.frame + 2} "

@@ -11,13 +11,14 @@ the budget, so the model can see where to zoom.
 Training records are zoom-then-answer demonstrations in TRL's tool-calling layout: the question and the image,
 the assistant's `image_zoom_in_tool` call with a loose annotator's box (each edge pushed out by `loose` of the
 target's side, then moved by up to `jitter`; or a window of `window` x the side, the one of a coarse grid
-nearest the target or the one centred on it, `centred`), written in the family's box frame; the tool turn
+nearest the target or the one centred on it, `centred`, then moved off it by up to `offset` of its side, so
+that it may clip or miss the target), written in the family's box frame; the tool turn
 with the crop, made by the zoom tool's own rule (vlmexp.tools.zoom.crop_box); the answer. A share `direct`
 answers without the tool instead (no tools block: what evaluation without the tool asks). A share `closeup` of
 the demonstrations also gives its crop as a record answered without the tool (reading with one picture as the
-context). Every record carries the answer (`solution`) and the target's exact box (`bbox`, in its
-image's pixels). Held-out records are V*-style {image, question, answer, bbox}.
-Deterministic for a seed and a frame.
+context; only of a crop that holds the whole target). Every record carries the answer (`solution`) and the
+target's exact box (`bbox`, in its image's pixels). Held-out records are V*-style {image, question, answer,
+bbox}. Deterministic for a seed and a frame.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ZoomScenes:
     direct: float = 0.0  # the share of training records answered without the tool
     frame: int = 2  # the target's black frame, pixels
     closeup: float = 0.0  # the share of demonstrations that also give their crop as a close-up record
+    offset: float = 0.0  # the window's centre moved off the target's by up to this share of its side
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ def zoom_call(rng: random.Random, box: list[int], scenes: ZoomScenes, frame: Box
 
     if scenes.window:
         zoom = window_box(box, scenes.side, scenes.window, scenes.centred)
+        if scenes.offset:
+            zoom = offset_window(rng, zoom, scenes.side, scenes.offset)
     else:
         side = box[2] - box[0]
         out = [scenes.loose + rng.uniform(-scenes.jitter, scenes.jitter) for _ in range(4)]
@@ -126,6 +130,23 @@ def window_box(box: list[int], side: int, share: float, centred: bool = False) -
 
     x, y = nearest((box[0] + box[2]) / 2), nearest((box[1] + box[3]) / 2)
     return [float(x), float(y), float(x + width), float(y + width)]
+
+
+def offset_window(rng: random.Random, window: list[float], side: int, offset: float) -> list[float]:
+    """`window` moved along each axis by a uniform draw in [-offset, +offset] x its side (even pixels, the
+    checkerboard's phase), then back inside the image: a careless annotator's zoom, which may clip or miss the
+    target."""
+    width = window[2] - window[0]
+    moved = []
+    for start in (window[0], window[1]):
+        shift = 2 * round(rng.uniform(-offset, offset) * width / 2)
+        moved.append(float(min(max(0, int(start) + shift), (side - int(width)) // 2 * 2)))
+    return [moved[0], moved[1], moved[0] + width, moved[1] + width]
+
+
+def holds(crop: list[int], box: list[int]) -> bool:
+    """Whether the crop holds the whole target box."""
+    return crop[0] <= box[0] and crop[1] <= box[1] and crop[2] >= box[2] and crop[3] >= box[3]
 
 
 def crop_window(image, call: list[int], frame: BoxFrame) -> list[int]:
@@ -206,7 +227,8 @@ def make_zoom_demo_data(out_dir: str | Path, frame: BoxFrame, train: int = 512, 
                 crop = crop_window(image, call, frame)
                 image.crop(tuple(crop)).save(tmp / crop_name)
                 rows.append(demonstration(name, crop_name, colour, call, box))
-                if scenes.closeup and closeup.random() < scenes.closeup:
+                # a close-up teaches reading: only of a crop that holds the whole target
+                if scenes.closeup and closeup.random() < scenes.closeup and holds(crop, box):
                     rows.append(closeup_answer(crop_name, colour, box, crop))
             (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             data_yaml = {"datasets": [{"json_path": f"{split}.jsonl", "sampling_strategy": "all",
@@ -246,4 +268,4 @@ def scenes_of(demo) -> ZoomScenes:
     return ZoomScenes(side=demo.side, target=tuple(demo.target), loose=demo.annotator_loose,
                       jitter=demo.annotator_jitter, window=demo.annotator_window,
                       centred=demo.annotator_centred, direct=demo.direct, frame=demo.frame,
-                      closeup=demo.closeup)
+                      closeup=demo.closeup, offset=demo.annotator_offset)
