@@ -177,7 +177,8 @@ def lora_config(stage_cfg: StageConfig):
 
     p = stage_cfg.peft
     return LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=p.target_modules,
-                      modules_to_save=p.modules_to_save, task_type="CAUSAL_LM")
+                      target_parameters=p.target_parameters, modules_to_save=p.modules_to_save,
+                      task_type="CAUSAL_LM")
 
 
 def vision_token_ids(processor, family: Family) -> list[int]:
