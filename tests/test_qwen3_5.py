@@ -5,9 +5,11 @@ positions of a left-padded batch as generation makes them, and (slow) every stag
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_BATCHES
 
 from vlmexp.checks.loader import load_config
 from vlmexp.families import detect_family, get_family
@@ -187,3 +189,150 @@ def test_left_padded_prompts_get_generations_positions_in_the_loss_forward(tiny_
         assert torch.equal(got[:, :prompt_len], alone[:, 0])
         start = alone.max() + 1  # generation: each new token one position past the last
         assert torch.equal(got[:, prompt_len:], (start + torch.arange(5)).expand(3, 5))
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _changed(before: dict, after: dict) -> set[str]:
+    return {k for k in before if not (before[k] == after[k]).all()}
+
+
+def _record_forwards(model) -> list[dict]:
+    """What each forward of `model` with images receives: grad on, the keys, the pixel rows."""
+    import torch
+
+    seen = []
+
+    def hook(module, args, kwargs):
+        if kwargs.get("pixel_values") is not None:
+            seen.append({"grad": torch.is_grad_enabled(), "keys": set(kwargs),
+                         "rows": kwargs["pixel_values"].shape[0],
+                         "types": kwargs.get("mm_token_type_ids"), "grid": kwargs.get("image_grid_thw")})
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+@pytest.mark.slow
+def test_sft_dpo_grpo_with_validation_then_evaluation_and_export_on_tiny_qwen35(tiny_models, tmp_path):
+    """Images of mixed sizes; every stage trains the language model's linear- and full-attention layers, and
+    every forward with images (generation and loss) carries mm_token_type_ids."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmexp.evaluate import evaluate
+    from vlmexp.export import export_model
+    from vlmexp.train.dpo import run_dpo
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.sft import run_sft
+    from vlmexp.train.stage import train_and_save
+
+    sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
+    cfg = load_config(REPO / "configs/demo_qwen3_5.yaml", [
+        f"run.output_dir={tmp_path}", f"model.path={tiny_models['qwen3_5']}", "tracking.backend=none",
+        "data.demo.train=16", "data.demo.val=4", "data.demo.width=[64,120]", "data.demo.height=[64,120]",
+        *SMALL_BATCHES,
+        "sft.args.max_steps=2", "sft.args.save_steps=2", "dpo.enabled=true", "dpo.pairs.from=samples",
+        "dpo.pairs.num_samples=3", "dpo.pairs.max_new_tokens=8", "dpo.args.max_steps=1",
+        "dpo.args.save_steps=1", "dpo.args.per_device_train_batch_size=4", "dpo.pairs.min_margin=0.05",
+        "grpo.args.max_steps=1",
+        "grpo.args.save_steps=1", "grpo.args.warmup_steps=0", "grpo.args.max_completion_length=8",
+        "grpo.args.temperature=1.5", "eval.every_steps=1", "eval.during_training_samples=2",
+        "grpo.rewards=[{name: format}, {name: iou}, {name: 'rewards_for_tests:char_variety'}]"])
+    sft = run_sft(cfg)
+    validated = json.loads((tmp_path / "sft" / "validation.json").read_text())
+    assert [s for s, _ in validated["history"]] == [1, 2]
+    base = tiny_models["qwen3_5"]
+    changed = _changed(_weights(base), _weights(sft))
+    assert any(".linear_attn.in_proj_qkv" in k for k in changed)
+    assert any(".self_attn.q_proj" in k for k in changed)
+    dpo = run_dpo(cfg, str(sft))
+    assert any(".linear_attn." in k for k in _changed(_weights(sft), _weights(dpo)))
+
+    trainer, inputs, rows = build_grpo_trainer(cfg, str(dpo))
+    seen = _record_forwards(trainer.model)
+    grpo = train_and_save(trainer, inputs, rows)
+    assert any(".linear_attn." in k for k in _changed(_weights(dpo), _weights(grpo)))
+    # the loss forward (generation's forwards run without hooks; without mm_token_type_ids they would raise)
+    loss = [s for s in seen if s["grad"]]
+    assert loss and all(s["types"] is not None and s["types"].sum() > 0 for s in loss)
+    assert all(s["rows"] == int(s["grid"].prod(-1).sum()) for s in loss)  # every image's pixel rows
+
+    result = evaluate(cfg, str(grpo), tmp_path / "data" / "val.jsonl", tmp_path / "eval")
+    assert result.metrics["count"] == 4 and "rec_mean_iou" in result.metrics
+    out = export_model(cfg, str(grpo), tmp_path / "export", {"note": "test"})
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+
+
+def _multi_image_records(folder: Path) -> Path:
+    """Records of one or two images of different sizes each, answered with a colour."""
+    from conftest import make_png
+
+    for i, (size, colour) in enumerate(zip([(64, 64), (120, 80), (72, 150), (96, 96)],
+                                           ("red", "green", "blue", "gray"), strict=True)):
+        make_png(folder / f"{i}.png", size, colour)
+    rows = []
+    for i in range(8):
+        images = [f"{i % 4}.png"] + ([f"{(i + 1) % 4}.png"] if i % 2 else [])
+        rows.append({"image": images, "accu_reward_method": "all_match", "conversations": [
+            {"from": "human", "value": "<image>" * len(images) + "What colour is the first picture?"},
+            {"from": "gpt", "value": "red"}]})
+    from conftest import write_jsonl
+
+    return write_jsonl(folder / "train.jsonl", rows)
+
+
+@pytest.mark.slow
+def test_moe_grpo_several_images_per_prompt_gspo_lora_on_experts_and_its_routing_in_mlflow(tiny_models,
+                                                                                             tmp_path):
+    """Qwen3.5-MoE, LoRA on the fused experts (target_parameters), sequence-level importance ratio (GSPO), two
+    images of different sizes in some prompts. The policy is pushed to write <|video_pad|> / <|image_pad|>
+    (ms-swift#9287: such a token in a completion sends get_rope_index looking for a grid that is not there):
+    generation suppresses them, and the step trains. The router's aux loss and the experts' evenness are in
+    MLflow."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+
+    records = _multi_image_records(tmp_path / "data")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(REPO / "configs/demo_qwen3_5.yaml", [
+        f"run.output_dir={tmp_path / 'out'}", f"model.path={tiny_models['qwen3_5_moe']}", "data.demo=null",
+        f"data.datasets=[{{json_path: {records}, task: exact}}]",
+        f"data.val_datasets=[{{json_path: {records}, task: exact}}]", "sft.enabled=false",
+        "tracking.backend=mlflow", f"tracking.tracking_uri={store}", "tracking.system_metrics=false",
+        "grpo.peft={r: 4, target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]}",
+        "grpo.args.importance_sampling_level=sequence", "grpo.args.max_steps=1", "grpo.args.save_steps=1",
+        "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
+        "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=6",
+        "grpo.args.temperature=1.5", "grpo.rewards=[{name: exact, kwargs: {default_match: exact}}]"])
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    vision = [inputs.processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|video_pad|>", "<|image_pad|>")]
+
+    def push(module, args, kwargs, output):  # generation only (a cache): the loss forward is left alone
+        if kwargs.get("past_key_values") is not None:
+            output.logits[:, -1, vision] += 1e4
+        return output
+
+    trainer.model.get_base_model().register_forward_hook(push, with_kwargs=True)
+    seen = _record_forwards(trainer.model.get_base_model())
+    experts = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+               if p.requires_grad and "experts" in n}
+    assert experts  # LoRA on the fused experts
+    train_and_save(trainer, inputs, rows)
+
+    assert any(not torch.equal(p, experts[n]) for n, p in trainer.model.named_parameters() if n in experts)
+    [loss] = [s for s in seen if s["grad"]]
+    assert loss["grid"].shape[0] == 12  # 8 prompts, 4 of them with two images, each completion its own copy
+    assert loss["rows"] == int(loss["grid"].prod(-1).sum()) and loss["types"].sum() > 0
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("demo_qwen3_5").experiment_id])
+    metrics = run.data.metrics
+    assert metrics["aux_loss"] > 0 and 0 <= metrics["moe/expert_load_cv"] <= 3 ** 0.5
+    assert 0.25 <= metrics["moe/expert_load_max_share"] <= 1
