@@ -116,6 +116,18 @@ def test_lora_adapts_linear_attention_attention_and_mlp_never_the_vision_tower(t
         assert {"mlp.experts"} <= found["linear_attention:0"] and {"mlp.experts"} <= found["full_attention:1"]
 
 
+def test_lora_on_the_fused_experts_is_refused_with_dropout_naming_the_fix(tmp_path):
+    from vlmexp.errors import ConfigError
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: tiny:qwen3_5_moe}\ndata:\n  demo: {train: 4, val: 2}\n"
+                   "grpo:\n  peft: {target_parameters: [mlp.experts.gate_up_proj]}\n")
+    with pytest.raises(ConfigError, match=r"LoRA on parameters has no dropout .*set dropout: 0"):
+        load_config(cfg)
+    peft = load_config(cfg, ["grpo.peft.dropout=0"]).grpo.peft
+    assert peft.target_parameters == ["mlp.experts.gate_up_proj"]
+
+
 def _plain_checkpoint(tiny: Path, out: Path) -> Path:
     """Qwen3.5 of 6 layers, full attention every 3rd, made with transformers alone (not vlmexp's builder),
     with the tiny model's tokenizer and processor."""
@@ -210,7 +222,7 @@ def _record_forwards(model) -> list[dict]:
     def hook(module, args, kwargs):
         if kwargs.get("pixel_values") is not None:
             seen.append({"grad": torch.is_grad_enabled(), "keys": set(kwargs),
-                         "rows": kwargs["pixel_values"].shape[0],
+                         "rows": kwargs["pixel_values"].shape[0], "pixels": kwargs["pixel_values"].detach(),
                          "types": kwargs.get("mm_token_type_ids"), "grid": kwargs.get("image_grid_thw")})
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -300,6 +312,7 @@ def test_moe_grpo_several_images_per_prompt_gspo_lora_on_experts_and_its_routing
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.stage import train_and_save
 
+    sys.path.insert(0, str(Path(__file__).parent))  # rewards_for_tests
     records = _multi_image_records(tmp_path / "data")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(REPO / "configs/demo_qwen3_5.yaml", [
@@ -307,11 +320,13 @@ def test_moe_grpo_several_images_per_prompt_gspo_lora_on_experts_and_its_routing
         f"data.datasets=[{{json_path: {records}, task: exact}}]",
         f"data.val_datasets=[{{json_path: {records}, task: exact}}]", "sft.enabled=false",
         "tracking.backend=mlflow", f"tracking.tracking_uri={store}", "tracking.system_metrics=false",
-        "grpo.peft={r: 4, target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]}",
+        "grpo.peft={r: 4, dropout: 0, target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]}",
         "grpo.args.importance_sampling_level=sequence", "grpo.args.max_steps=1", "grpo.args.save_steps=1",
         "grpo.args.logging_steps=1", "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
         "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=6",
-        "grpo.args.temperature=1.5", "grpo.rewards=[{name: exact, kwargs: {default_match: exact}}]"])
+        "grpo.args.temperature=1.5",
+        "grpo.rewards=[{name: exact, kwargs: {default_match: exact}},"
+        " {name: 'rewards_for_tests:char_variety'}]"])
     trainer, inputs, rows = build_grpo_trainer(cfg)
     vision = [inputs.processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|video_pad|>", "<|image_pad|>")]
 
@@ -336,3 +351,63 @@ def test_moe_grpo_several_images_per_prompt_gspo_lora_on_experts_and_its_routing
     metrics = run.data.metrics
     assert metrics["aux_loss"] > 0 and 0 <= metrics["moe/expert_load_cv"] <= 3 ** 0.5
     assert 0.25 <= metrics["moe/expert_load_max_share"] <= 1
+
+
+@pytest.mark.slow
+def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_and_without_it(tiny_models,
+                                                                                                tmp_path):
+    """A scripted policy calls the zoom in Qwen3.5's <function=...> format: TRL's loop parses it with the
+    Qwen3.5 parser, the crop reaches the loss forward; evaluation answers with the tool (one zoom each, right)
+    and without it (one turn)."""
+    from test_zoom import SIDE, frame_box, holds_rows, scene, tool_cfg, write_records
+    from zoom_script import ScriptedTurns, call
+
+    from vlmexp.data.record import read_sampled
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.evaluate import evaluate_with_tools
+    from vlmexp.generation import Generator
+    from vlmexp.modeling import load_for_inference
+    from vlmexp.prompts import build_prompt, load_images
+    from vlmexp.tools.zoom import crop_box
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+
+    model_dir = tiny_models["qwen3_5"]
+    records = write_records(tmp_path / "data", ["zoom", "zoom"], bbox=True)
+    cfg = tool_cfg(tmp_path / "out", model_dir, records, "grpo.args.max_steps=1",
+                   "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
+                   "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=120",
+                   "model.min_pixels=4096", "eval.max_new_tokens=60")
+    header = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the no-think template's generation prompt
+
+    def script(model, processor, family, budget):
+        box = frame_box(family, budget)
+        turns = ScriptedTurns(processor.tokenizer, {"zoom": [call(box, family.name), "<answer>red</answer>"]},
+                              header)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.register_forward_hook(turns.hook, with_kwargs=True)
+
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    script(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    seen = _record_forwards(trainer.model)
+    train_and_save(trainer, inputs, rows)
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert logs["zoom/zooms_per_completion"] == 1 and logs["rewards/exact/mean"] == 1
+    image = scene(tmp_path / "check.png")
+    crop = image.crop(tuple(crop_box(frame_box(inputs.family, inputs.budget), SIDE, SIDE,
+                                     inputs.family.box_frame, inputs.budget, 28)))
+    crop_rows = inputs.processor.image_processor(images=[crop], return_tensors="pt")["pixel_values"]
+    [loss] = [s for s in seen if s["grad"]]
+    assert loss["grid"].shape[0] == 4 + 4  # each completion's image and its crop
+    assert loss["types"].sum() > 0 and loss["rows"] == int(loss["grid"].prod(-1).sum())
+    assert holds_rows(loss["pixels"], crop_rows)  # the crop's pixel rows, as the processor makes them
+
+    recs = read_sampled(prepare_data(cfg).val)
+    model, processor, family = load_for_inference(cfg, str(model_dir))
+    script(model, processor, family, family.image_budget(processor))
+    generator = Generator.for_config(cfg, model, processor, family)
+    prompts = [build_prompt(r, cfg.data, family) for r in recs]
+    plain = generator(prompts, [load_images(r.images) for r in recs], 60, 0.0, 8)
+    assert all("<function=image_zoom_in_tool>" in text for text in plain)  # without the tool: one turn
+    metrics = evaluate_with_tools(cfg, recs, prompts, generator, tmp_path / "eval")
+    assert metrics["tool_exact_accuracy"] == 1 and metrics["tool_zooms_per_answer"] == 1

@@ -36,6 +36,13 @@ class PeftConfig(Section):
         "null: the fused experts stay frozen; the shared expert, attention and linear attention train.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved.")
 
+    @model_validator(mode="after")
+    def _parameter_dropout(self) -> PeftConfig:
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"target_parameters: PEFT's LoRA on parameters has no dropout (dropout is "
+                             f"{self.dropout}): set dropout: 0")
+        return self
+
 
 class StageConfig(Section):
     enabled: bool = Field(True, description="Run this stage; off, the next stage starts from the previous "

@@ -61,8 +61,8 @@ class Qwen35Family(QwenVLFamily):
 
     def tiny_config(self, spec, tokenizer):
         """Hybrid layers (`hybrid_layer_types`), linear attention of 2 key and 4 value heads of head_dim,
-        and for MoE 4 experts of which each token takes 2, with the router's auxiliary loss on (it goes into
-        the loss and into the logs)."""
+        and for MoE 4 experts of which each token takes 2, with the router's auxiliary loss coefficient
+        (TRL adds that loss in SFT and GRPO and logs it)."""
         text: dict[str, Any] = tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
         half = int(head_dim * PARTIAL_ROTARY_FACTOR) // 2  # mrope_section sums to the rotated half
@@ -78,8 +78,11 @@ class Qwen35Family(QwenVLFamily):
         if self.moe:
             expert = spec.intermediate_size // 2
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=expert,
-                        shared_expert_intermediate_size=expert, output_router_logits=True,
-                        router_aux_loss_coef=0.001)
+                        shared_expert_intermediate_size=expert, router_aux_loss_coef=0.001,
+                        # off in the config, as released: on, generate's decode steps fail in the aux loss
+                        # (a one-token step against the whole attention mask, transformers 5.23); TRL asks
+                        # for the router logits in its loss forwards itself
+                        output_router_logits=False)
         vision = dict(depth=spec.vision_depth, num_heads=spec.vision_heads, in_channels=3,
                       patch_size=self.patch_size, spatial_merge_size=2, temporal_patch_size=2,
                       hidden_size=spec.vision_hidden_size,
