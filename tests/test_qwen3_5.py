@@ -402,7 +402,7 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
     cfg = tool_cfg(tmp_path / "out", model_dir, records, "grpo.args.max_steps=1",
                    "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
                    "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=120",
-                   "model.min_pixels=4096", "eval.max_new_tokens=60")
+                   "model.min_pixels=4096", "eval.max_new_tokens=160")
     header = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the no-think template's generation prompt
 
     def script(model, processor, family, budget):
@@ -432,10 +432,43 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
     script(model, processor, family, family.image_budget(processor))
     generator = Generator.for_config(cfg, model, processor, family)
     prompts = [build_prompt(r, cfg.data, family) for r in recs]
-    plain = generator(prompts, [load_images(r.images) for r in recs], 60, 0.0, 8)
+    plain = generator(prompts, [load_images(r.images) for r in recs], 160, 0.0, 8)
     assert all("<function=image_zoom_in_tool>" in text for text in plain)  # without the tool: one turn
     prompted: list[str] = []  # each turn's prompt, through the real generate
     generate_ids = generator.generate_ids
     generator.generate_ids = lambda texts, *rest: prompted.extend(texts) or generate_ids(texts, *rest)
     metrics = evaluate_with_tools(cfg, recs, prompts, generator, tmp_path / "eval")
     assert metrics["tool_exact_accuracy"] == 1 and metrics["tool_zooms_per_answer"] == 1, (metrics, prompted)
+
+
+@pytest.mark.slow
+def test_moe_sft_stopped_then_resumed_matches_an_uninterrupted_run(tiny_models, tmp_path):
+    """Qwen3.5-MoE SFT preempted after step 2 (checkpoint-2 saved), a checkpoint-3 torn while saving: the same
+    command resumes from checkpoint-2, trains steps 3-4 once, and ends on the uninterrupted run's weights."""
+    import torch
+    from safetensors.torch import load_file
+    from stop_at_step import StopAtStep
+
+    from vlmexp.train.sft import run_sft
+    from vlmexp.train.stage import last_checkpoint
+
+    def cfg(out):
+        return load_config(REPO / "configs/demo_qwen3_5.yaml", [
+            f"run.output_dir={out}", f"model.path={tiny_models['qwen3_5_moe']}", "tracking.backend=none",
+            "data.demo.train=16", "data.demo.val=4", "sft.args.max_steps=4", "sft.args.save_steps=2",
+            "sft.args.logging_steps=1", "sft.args.per_device_train_batch_size=4", "grpo.enabled=false"])
+
+    straight = run_sft(cfg(tmp_path / "a"))
+    run_sft(cfg(tmp_path / "b"), [StopAtStep(2)])
+    stage = tmp_path / "b" / "sft"
+    (stage / "checkpoint-3").mkdir()
+    (stage / "checkpoint-3" / "model.safetensors").write_bytes(b"partial")
+    assert last_checkpoint(stage) == str(stage / "checkpoint-2")
+    resumed = run_sft(cfg(tmp_path / "b"))
+    history = json.loads((stage / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]
+    assert any("aux_loss" in h for h in history)  # TRL's router aux loss, logged
+    first, second = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert any("mlp.experts" in k for k in first)
+    for k in first:
+        torch.testing.assert_close(first[k], second[k], rtol=1e-4, atol=1e-5, msg=k)
