@@ -472,3 +472,26 @@ def test_moe_sft_stopped_then_resumed_matches_an_uninterrupted_run(tiny_models, 
     assert any("mlp.experts" in k for k in first)
     for k in first:
         torch.testing.assert_close(first[k], second[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_train_qwen35(tmp_path, tiny_models):
+    """The torchrun launcher with 2 CPU processes (DDP over gloo) on the tiny Qwen3.5: both train, share the
+    data, and the main process writes the model."""
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
+                        "configs/demo_qwen3_5.yaml", f"run.output_dir={tmp_path}",
+                        f"model.path={tiny_models['qwen3_5']}", "tracking.backend=none", "data.demo.train=16",
+                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=2",
+                        "sft.args.per_device_train_batch_size=2", "launch.launcher=torchrun",
+                        "launch.nproc_per_node=2"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--nproc_per_node=2" in r.stderr
+    assert r.stderr.count("PyTorch reference kernels") == 2  # once a process, not once a kernel function
+    state = json.loads((tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["epoch"] == pytest.approx(0.5)  # 2 steps x 2 rows x 2 processes = 8 of 16 rows
+    assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
