@@ -481,13 +481,12 @@ def test_torchrun_two_processes_train_qwen35(tmp_path, tiny_models):
     import os
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
-                        "configs/demo_qwen3_5.yaml", f"run.output_dir={tmp_path}",
-                        f"model.path={tiny_models['qwen3_5']}", "tracking.backend=none", "data.demo.train=16",
-                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=2",
-                        "sft.args.per_device_train_batch_size=2", "launch.launcher=torchrun",
-                        "launch.nproc_per_node=2"],
-                       capture_output=True, text=True, cwd=REPO, timeout=900,
+    overrides = [f"run.output_dir={tmp_path}", f"model.path={tiny_models['qwen3_5']}",
+                 "tracking.backend=none", "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES,
+                 "sft.args.max_steps=2", "sft.args.save_steps=2", "sft.args.per_device_train_batch_size=2",
+                 "launch.launcher=torchrun", "launch.nproc_per_node=2"]
+    command = [sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo_qwen3_5.yaml"]
+    r = subprocess.run(command + overrides, capture_output=True, text=True, cwd=REPO, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--nproc_per_node=2" in r.stderr
