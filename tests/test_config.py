@@ -18,7 +18,8 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 def test_configs_exist():
     names = {p.name for p in CONFIGS}
     assert {"demo.yaml", "qwen2_5_vl_3b_rec.yaml", "geometry3k_math.yaml", "demo_internvl.yaml",
-            "internvl3_2b_rec.yaml"} <= names
+            "internvl3_2b_rec.yaml", "demo_qwen3_5.yaml", "qwen3_5_4b_rec.yaml", "qwen3_5_4b_zoom.yaml",
+            "qwen3_5_35b_a3b_gspo.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -15,8 +15,15 @@ import json
 CALL = '<tool_call>\n{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
 
 
-def call(box) -> str:
-    return CALL.format(box=json.dumps(list(box)))
+# Qwen3.5's own call format (its chat template's tools block asks for it; TRL's Qwen3.5 parser reads it)
+QWEN3_5_CALL = ("<tool_call>\n<function=image_zoom_in_tool>\n<parameter=bbox_2d>\n{box}\n</parameter>\n"
+                "</function>\n</tool_call>")
+
+
+def call(box, family: str = "") -> str:
+    """A zoom call in `family`'s format (Qwen's JSON call unless Qwen3.5)."""
+    form = QWEN3_5_CALL if family.startswith("qwen3_5") else CALL
+    return form.format(box=json.dumps(list(box)))
 
 
 class ScriptedTurns:
@@ -24,10 +31,12 @@ class ScriptedTurns:
     the list its last turn repeats. `hook` goes on the model with
     `register_forward_hook(..., with_kwargs=True)`."""
 
-    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], header: str = "<|im_start|>assistant\n"):
+        """`header`: what the chat template's generation prompt opens a turn with (Qwen3.5's no-think template
+        adds an empty think block)."""
         self.tokenizer, self.scripts = tokenizer, scripts
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.header = tokenizer.encode("<|im_start|>assistant\n")
+        self.header = tokenizer.encode(header)
         self.rows = None  # the token ids of each row of the batch being generated
 
     def _turn_ids(self, ids: list[int]) -> list[int]:

@@ -12,7 +12,11 @@ from vlmexp.config.base import Section, check_template
 
 TARGET_FIELDS = ("answer", "problem")  # what sft.target_template may use
 
-LM_LORA_TARGETS = r".*language_model.*\.(q|k|v|o|gate|up|down)_proj"
+# attention and MLP projections of the language model, and Qwen3.5's linear-attention (Gated DeltaNet) ones;
+# never the vision tower (under `visual.` / `vision_tower.`, outside `language_model`). Qwen3.5-MoE's fused
+# experts are 3-D parameters, not modules: `peft.target_parameters` reaches them (docs/training.md, LoRA).
+LM_LORA_TARGETS = (r".*language_model.*\.((q|k|v|o|gate|up|down)_proj"
+                   r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj))")
 
 
 class PeftConfig(Section):
@@ -26,7 +30,18 @@ class PeftConfig(Section):
     target_modules: str | list[str] = Field(
         LM_LORA_TARGETS, description="Regex (full match) or module names. The default keeps LoRA off the "
                                      "vision tower, whose MLP shares the language model's layer names.")
+    target_parameters: list[str] | None = Field(
+        None, description="Parameters (not modules) LoRA also adapts, by name suffix: for Qwen3.5-MoE's "
+        "fused experts, [mlp.experts.gate_up_proj, mlp.experts.down_proj] (PEFT's target_parameters). "
+        "null: the fused experts stay frozen; the shared expert, attention and linear attention train.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved.")
+
+    @model_validator(mode="after")
+    def _parameter_dropout(self) -> PeftConfig:
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"target_parameters: PEFT's LoRA on parameters has no dropout (dropout is "
+                             f"{self.dropout}): set dropout: 0")
+        return self
 
 
 class StageConfig(Section):

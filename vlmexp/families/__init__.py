@@ -14,11 +14,12 @@ from typing import Literal
 from vlmexp.families.base import BUDGET_KNOBS, BoxFrame, Family
 from vlmexp.families.internvl import INTERNVL
 from vlmexp.families.qwen import QWEN_FAMILIES
+from vlmexp.families.qwen3_5 import QWEN35_FAMILIES
 
 __all__ = ["BUDGET_KNOBS", "FAMILIES", "TINY_PREFIX", "BoxFrame", "Family", "FamilyName", "detect_family",
            "get_family"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (*QWEN_FAMILIES, INTERNVL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (*QWEN_FAMILIES, *QWEN35_FAMILIES, INTERNVL)}
 
 # the config's `model.family` values, from FAMILIES
 FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]

@@ -176,7 +176,6 @@ class QwenVLFamily(Family):
     def tiny_config(self, spec, tokenizer):
         """Every depth-dependent list (text `layer_types`, vision full-attention blocks) is derived here from
         the depth, never left from another depth (a stale list crashed the first forward at the 3B depth)."""
-        import transformers
 
         text = tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
@@ -204,6 +203,13 @@ class QwenVLFamily(Family):
                           intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
                           out_hidden_size=spec.hidden_size, num_position_embeddings=256,
                           deepstack_visual_indexes=[spec.vision_depth - 1])
+        return self.wired_config(text, vision, tokenizer, spec)
+
+    def wired_config(self, text: dict, vision: dict, tokenizer, spec):
+        """The family's config of `text` and `vision`, its vision token ids the tokenizer's (the defaults are
+        the released vocabulary's, past a tiny one's end)."""
+        import transformers
+
         ids = {t: tokenizer.convert_tokens_to_ids(t)
                for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
         config_class = getattr(transformers, self.model_class.replace("ForConditionalGeneration", "Config"))

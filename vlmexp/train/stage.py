@@ -194,6 +194,10 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         trainer.add_callback(TrainerLogs(run))
         trainer.add_callback(models)
         trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before TrainerLogs
+        from vlmexp.tracking.experts import ExpertUsage, routers
+
+        if routers(trainer.model):  # a mixture of experts: how evenly its experts are used
+            trainer.add_callback(ExpertUsage(trainer.model, run))
     try:
         if finished_at(trainer, inputs.resume_from):
             restore_finished(trainer, inputs.resume_from)
