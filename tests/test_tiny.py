@@ -13,8 +13,14 @@ from vlmexp.processor import load_processor
 IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
               # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>
               "internvl": "<IMG_CONTEXT>\n"}
+# the assistant's turn as the generation prompt opens it: Qwen3.5's no-think template (what its small
+# checkpoints ship) writes the empty thinking block the model then answers after
+GENERATION_PROMPT = {"qwen3_5": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                     "qwen3_5_moe": "<|im_start|>assistant\n<think>\n\n</think>\n\n"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -44,7 +50,7 @@ def test_tiny_model_round_trip(tiny_models, family):
     text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     # the official templates' image part
     assert IMAGE_PART[fam.name] + "Locate the red square.<|im_end|>" in text
-    assert text.endswith("<|im_start|>assistant\n")
+    assert text.endswith(GENERATION_PROMPT.get(family, "<|im_start|>assistant\n"))
     inputs = proc(text=[text], images=[Image.new("RGB", (120, 90), "red")], return_tensors="pt")
     budget = fam.image_budget(proc)
     assert (inputs["input_ids"] == model.config.image_token_id).sum() == fam.image_tokens(120, 90, budget)
