@@ -22,12 +22,21 @@ TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 # clone took 1,275 s in all instead of 1,335 s with it.
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: install chromium demo test test-fast clean
+.PHONY: install install-demo chromium demo test test-fast clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
+# The demo's install: the package and its dependencies, none of the extras. `make demo` imports nothing of
+# the test extra, of Kubernetes' work pool or of Ray, and DeepSpeed, which `make install` builds from its
+# sdist, is imported by transformers and TRL in each process where it is installed (1.7 s of a stage's start,
+# bench/RESULTS.md).
+$(VENV)/.installed-demo: pyproject.toml constraints.txt constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(HAS_GPU),,$(PIP) install -q --no-compile torch==2.13.0 $(TORCH_PIN))
+	$(PIP) install -q --no-compile -c constraints.txt $(TORCH_PIN) -e .
+	touch $@
+
+# Everything the tests need, over the demo's install.
+$(VENV)/.installed: $(VENV)/.installed-demo
 	$(PIP) install -q --no-compile -c constraints.txt $(TORCH_PIN) -e '.[test,k8s,ray]'
 	# DeepSpeed from its sdist without compiling ops (JIT-built on a GPU box when first used);
 	# without build isolation so it builds against the torch installed above.
@@ -35,6 +44,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt constraints-cpu.txt
 	touch $@
 
 install: $(VENV)/.installed
+
+install-demo: $(VENV)/.installed-demo
 
 # tests/test_mlflow_ui.py renders the MLflow UI in headless Chromium: installed from the system's packages
 # where apt-get runs as root (CI); elsewhere install it yourself: without it that test fails, it is not skipped.
@@ -45,7 +56,7 @@ chromium:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	  else echo "chromium is missing and apt-get as root is not here to install it: tests/test_mlflow_ui.py will fail"; fi
 
-demo: install
+demo: install-demo
 	$(VENV)/bin/vlmexp run configs/demo.yaml
 
 # the two installs side by side (Chromium's comes from the system's packages, the rest from pip)

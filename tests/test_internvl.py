@@ -290,13 +290,13 @@ def test_sft_dpo_grpo_each_train_then_evaluation_and_export_load_in_plain_transf
 
 
 def test_the_demo_figures_claimed_for_internvl_are_the_recorded_cells():
-    """README and bench/RESULTS.md quote bench/results/demo_matrix_internvl: base < SFT < GRPO in every cell,
-    two seeds at least, GRPO ahead by 3 paired standard errors or more."""
+    """docs/demos.md and bench/RESULTS.md quote bench/results/demo_matrix_internvl: base < SFT < GRPO in every
+    cell, two seeds at least, GRPO ahead by 3 paired standard errors or more."""
     cells = [json.loads(p.read_text())
              for p in sorted((REPO / "bench/results/demo_matrix_internvl").glob("*.json"))]
     assert (len({c["seed"] for c in cells}) >= 2
             and all(c["config"] == "configs/demo_internvl.yaml" for c in cells))
-    readme, results = (REPO / "README.md").read_text(), (REPO / "bench/RESULTS.md").read_text()
+    demos, results = (REPO / "docs/demos.md").read_text(), (REPO / "bench/RESULTS.md").read_text()
     for cell in cells:
         iou = {k: v["rec_mean_iou"] for k, v in cell["metrics"].items()}
         gain = cell["gains_over_sft"]["grpo"]
@@ -304,6 +304,6 @@ def test_the_demo_figures_claimed_for_internvl_are_the_recorded_cells():
         row = (f"| {cell['seed']} | {cell['arithmetic']} | {iou['base']:.3f} | {iou['sft']:.3f} | "
                f"{iou['grpo']:.3f} | {gain['gain']:+.3f} ({gain['se']:.3f}) |")
         assert row in results, row
-        if cell["arithmetic"] == "avx512":  # the README quotes the machine's own arithmetic
+        if cell["arithmetic"] == "avx512":  # docs/demos.md quotes the machine's own arithmetic
             claim = f"base 0 / SFT {iou['sft']:.3f} / GRPO {iou['grpo']:.3f} (seed {cell['seed']})"
-            assert claim in " ".join(readme.split()), claim
+            assert claim in " ".join(demos.split()), claim

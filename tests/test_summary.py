@@ -75,6 +75,8 @@ Exported: `o/export`
 Registered `vlmexp-demo` version 2: **promoted to `champion`** on rec_mean_iou: 0.3500 > champion's 0.3000
 
 MLflow: `sqlite:///o/mlflow.db experiment 1 run p` (browse: `vlmexp ui --store sqlite:///o/mlflow.db`)
+
+Every metric of each logging step: the stages' MLflow runs, and `o/sft/metrics.jsonl`, `o/grpo/metrics.jsonl`
 """
     assert summary_tags(_run()) == {"stage.sft": "trained", "stage.grpo": "skipped",
                                     "export.promoted": "true"}

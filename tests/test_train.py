@@ -73,7 +73,7 @@ def test_sft_loss_falls_and_parameters_change(tmp_path):
     assert {"image", "prompt", "completion", "answer", "score"} <= samples[0].keys()
 
 
-def test_grpo_updates_and_logs_each_reward(tmp_path):
+def test_grpo_updates_and_logs_each_reward(tmp_path, capsys):
     from vlmexp.train.grpo import run_grpo
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -104,11 +104,26 @@ def test_grpo_updates_and_logs_each_reward(tmp_path):
     assert set(masked) == {"nan", "inf", "none"}, masked
     assert all(torch.isfinite(v).all() for v in after.values())
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    # the terminal: one progress line a logging step with the reward and the IoU reward's mean (the format
+    # reward's left out), no dict of metrics; every metric in the stage's metrics.jsonl
+    shown = capsys.readouterr()
+    lines = [line for line in shown.out.splitlines() if line.startswith("grpo  step ")]
+    assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"], shown.out
+    assert all(" left  reward " in line and "  iou " in line and "format" not in line
+               for line in lines), lines
+    assert "{'loss'" not in shown.out + shown.err and "'reward'" not in shown.out + shown.err
+    assert "grpo  done: 3 steps in" in shown.out and str(tmp_path / "grpo" / "metrics.jsonl") in shown.out
+    logged = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in logged if "reward" in h] == [1, 2, 3]
+    assert all(key in logged[0] for key in ("rewards/format/mean", "frac_reward_zero_std",
+                                            "clip_ratio/region_mean"))
 
 
 def test_train_cli_runs_a_stage_without_mlflow(tmp_path):
     """With tracking none a stage needs no mlflow: it trains in a Python where mlflow cannot be imported (as
-    on a GPU machine without it; where it is installed, TRL and DeepSpeed import it themselves)."""
+    on a GPU machine without it; where it is installed, TRL and DeepSpeed import it themselves). Run with
+    `--verbose`, it shows the Trainer's dict of metrics at each logging step, in place of the progress line
+    (tests/test_train.py's GRPO test checks the line)."""
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\n"
@@ -117,9 +132,11 @@ def test_train_cli_runs_a_stage_without_mlflow(tmp_path):
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config",
                         str(REPO / "configs/demo.yaml"), f"run.output_dir={tmp_path}",
                         "tracking.backend=none", "data.demo.train=8", "data.demo.val=2",
-                        "sft.args.max_steps=2", "sft.args.save_steps=2"],
+                        "sft.args.max_steps=2", "sft.args.save_steps=2", "sft.args.logging_steps=1",
+                        "--verbose"],
                        capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("{'loss': ") == 2 and "sft  step " not in r.stdout, r.stdout[-2000:]
     assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").is_file()
     hidden = subprocess.run([sys.executable, "-c", "import mlflow"], capture_output=True, text=True, env=env)

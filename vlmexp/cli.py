@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--force", action="store_true", help="retrain even when config and data are unchanged")
+    p.add_argument("--verbose", action="store_true",
+                   help="show each logging step's every metric, as the Trainer prints it (transformers' log "
+                        "level INFO, TRANSFORMERS_VERBOSITY=info); default: one progress line a step")
     p.set_defaults(func=commands.cmd_run)
 
     p = sub.add_parser("prefect-setup", help="create or update vlmexp's automations on the Prefect server at "
@@ -152,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-by", metavar="RUN_ID", help="run inside the hold of run RUN_ID on the output "
                    "folder (the pipeline passes its own); default: hold the folder for this command's life, "
                    "or wait or refuse as run.on_busy says when another run holds it")
+    p.add_argument("--verbose", action="store_true",
+                   help="show each logging step's every metric, as the Trainer prints it (transformers' log "
+                        "level INFO, TRANSFORMERS_VERBOSITY=info); default: one progress line a step")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=commands.cmd_train)
 

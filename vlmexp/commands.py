@@ -78,6 +78,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_every_metric(verbose: bool) -> None:
+    """`--verbose`: transformers' log level INFO here and in the stage processes this command starts (they
+    inherit it as TRANSFORMERS_VERBOSITY, the variable transformers itself reads), so that each stage shows
+    the Trainer's dict of every metric at each logging step (vlmexp.train.progress)."""
+    import os
+
+    if verbose:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "info"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """The whole pipeline in this process: Prefect's temporary server, the configured MLflow store.
 
@@ -89,6 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from vlmexp.pipeline.hold import refuse_if_held
     from vlmexp.pipeline.keys import run_folder
 
+    show_every_metric(args.verbose)
     found = run_folder(args.config, args.overrides)
     if found is not None and found[1].run.on_busy == "refuse":  # before a server starts: the flow holds it
         refuse_if_held(found[0])
@@ -252,6 +263,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     Started by hand, it holds the output folder for its life (vlmexp.pipeline.hold); a stage the pipeline
     starts runs inside the pipeline's hold (`--held-by`)."""
     import os
+
+    show_every_metric(args.verbose)
     import shlex
 
     from vlmexp.checks.loader import load_config

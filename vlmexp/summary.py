@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from vlmexp.results import PipelineResult, StageResult
+
+METRICS_FILE = "metrics.jsonl"  # each stage's log of the Trainer's metrics (vlmexp.train.progress writes it)
 
 
 def stage_status(result: StageResult, flow_run_id: str) -> str:
@@ -45,6 +48,9 @@ def render_summary(run: PipelineResult, mlflow_link: str = "", store: str = "", 
     text = "\n".join(lines) + "\n"
     if mlflow_link:
         text += f"\nMLflow: `{mlflow_link}` (browse: `vlmexp ui --store {store}`)\n"
+    logs = [f"`{Path(r.final).parent / METRICS_FILE}`" for r in run.stages.values() if r is not None]
+    if logs:
+        text += f"\nEvery metric of each logging step: the stages' MLflow runs, and {', '.join(logs)}\n"
     return text
 
 

@@ -182,6 +182,9 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
     # eval.every_steps; refuses what it cannot run before any step
     validation = add_validation(trainer, inputs)
     from vlmexp.tracking.callbacks import CheckpointModels, HeadlineMetrics, SkipLoggedSteps, TrainerLogs
+    from vlmexp.train.progress import show_progress
+
+    show_progress(trainer, inputs.stage, inputs.stage_dir)  # one line a logging step; the dicts to a file
 
     if inputs.resume_from and run.enabled:
         last = run.last_logged_step()
