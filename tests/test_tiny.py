@@ -13,6 +13,7 @@ from vlmexp.processor import load_processor
 IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
               # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>

@@ -169,3 +169,14 @@ def tiny_text_config(spec, tokenizer, eos: str, pad: str) -> dict:
         pad_token_id=ids[pad],
         tie_word_embeddings=spec.tie_word_embeddings,
     )
+
+
+def moe_experts(spec) -> dict:
+    """A tiny mixture-of-experts text config's experts: 4 of half the MLP's width, each token taking 2, with
+    the router's auxiliary loss coefficient (TRL adds that loss in SFT and GRPO and logs it as `aux_loss`)."""
+    return dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=spec.intermediate_size // 2,
+                router_aux_loss_coef=0.001,
+                # off in the config, as released: on, generate's decode steps fail in the aux loss (a
+                # one-token step against the whole attention mask, transformers 5.23); TRL asks for the router
+                # logits in its loss forwards itself
+                output_router_logits=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
 
-from vlmexp.families.base import Family, tiny_text_config
+from vlmexp.families.base import Family, moe_experts, tiny_text_config
 
 # The pixel bounds the released Qwen2(.5)-VL checkpoints ship (preprocessor_config.json; class defaults
 # differ): min_pixels 4x28x28, max_pixels 16384x28x28. Used only where no processor can be read
@@ -72,6 +72,9 @@ class QwenVLFamily(Family):
     chat_template_file: str = "qwen2_5_vl.jinja"
     patch_size: int = 14
     tool_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>")
+
+    # a mixture of experts (qwen3_vl_moe, qwen3_5_moe): fused 3-D experts behind a top-k router
+    moe: bool = False
 
     budget_knobs: ClassVar[tuple[str, ...]] = ("min_pixels", "max_pixels")
     budget_summary: ClassVar[str] = "smart_resize to an area between min and max pixels"
@@ -171,7 +174,7 @@ class QwenVLFamily(Family):
 
         return transformers.Qwen2VLImageProcessorPil(
             patch_size=self.patch_size, merge_size=2, temporal_patch_size=2,
-            **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if self.name == "qwen3_vl" else {}))
+            **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if self.name.startswith("qwen3_vl") else {}))
 
     def tiny_config(self, spec, tokenizer):
         """Every depth-dependent list (text `layer_types`, vision full-attention blocks) is derived here from
@@ -179,7 +182,7 @@ class QwenVLFamily(Family):
 
         text = tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-        if self.name != "qwen3_vl" and head_dim * spec.num_heads != spec.hidden_size:
+        if not self.name.startswith("qwen3_vl") and head_dim * spec.num_heads != spec.hidden_size:
             raise ValueError(f"{self.name} needs hidden_size = num_heads x head_dim; got {spec.hidden_size} "
                              f"!= {spec.num_heads} x {head_dim}: change hidden_size or num_heads")
         half = head_dim // 2  # mrope_section (t, h, w) must sum to head_dim / 2
@@ -196,8 +199,10 @@ class QwenVLFamily(Family):
                           intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
                           out_hidden_size=spec.hidden_size, window_size=112,
                           fullatt_block_indexes=list(spec.vision_fullatt_blocks or [spec.vision_depth - 1]))
-        else:  # qwen3_vl: explicit head_dim, interleaved mrope, deepstack features
+        else:  # qwen3_vl(_moe): explicit head_dim, interleaved mrope, deepstack features
             text.update(head_dim=head_dim)
+            if self.moe:  # every layer sparse: 4 experts, 2 a token (Qwen3-VL-30B-A3B: 128, 8)
+                text.update(moe_experts(spec), decoder_sparse_step=1, mlp_only_layers=[])
             text["rope_parameters"]["mrope_interleaved"] = True
             vision.update(hidden_size=spec.vision_hidden_size,
                           intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
@@ -263,12 +268,15 @@ def saved_as(processor_class: str, base: type) -> dict[str, Any]:
 
 _VISION = dict(image_token="<|image_pad|>", vision_module="visual.", projector_module="merger",
                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
+_QWEN3_VL = dict(chat_template_file="qwen3_vl.jinja", patch_size=16, tools_template_file=None,
+                 tool_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                              "</think>"))
 QWEN_FAMILIES = (
     QwenVLFamily("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "grid1000", **_VISION),
     QwenVLFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "pixels",
                  **_VISION),
     QwenVLFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "grid1000", **_VISION,
-                 chat_template_file="qwen3_vl.jinja", patch_size=16, tools_template_file=None,
-                 tool_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-                              "</think>")),
+                 **_QWEN3_VL),
+    QwenVLFamily("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor", "grid1000",
+                 **_VISION, **_QWEN3_VL, moe=True),
 )

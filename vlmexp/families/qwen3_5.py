@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmexp.families.base import tiny_text_config
+from vlmexp.families.base import moe_experts, tiny_text_config
 from vlmexp.families.qwen import QwenVLFamily
 
 # the released checkpoints' pattern: every 4th text layer full attention, the others linear attention
@@ -42,8 +42,6 @@ def hybrid_layer_types(num_layers: int, interval: int = FULL_ATTENTION_INTERVAL)
 
 @dataclass(frozen=True)
 class Qwen35Family(QwenVLFamily):
-    moe: bool = False
-
     def use_tools(self, processor) -> None:
         """Qwen3.5's own template renders tools, calls and tool turns; TRL's Qwen3.5 response template reads
         the `<function=...>` calls back (set on the tokenizer, where `parse_response` reads it; TRL sets it
@@ -61,8 +59,7 @@ class Qwen35Family(QwenVLFamily):
 
     def tiny_config(self, spec, tokenizer):
         """Hybrid layers (`hybrid_layer_types`), linear attention of 2 key and 4 value heads of head_dim,
-        and for MoE 4 experts of which each token takes 2, with the router's auxiliary loss coefficient
-        (TRL adds that loss in SFT and GRPO and logs it)."""
+        and for MoE `moe_experts` and a shared expert."""
         text: dict[str, Any] = tiny_text_config(spec, tokenizer, eos="<|im_end|>", pad="<|endoftext|>")
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
         half = int(head_dim * PARTIAL_ROTARY_FACTOR) // 2  # mrope_section sums to the rotated half
@@ -76,13 +73,7 @@ class Qwen35Family(QwenVLFamily):
         text["rope_parameters"].update(mrope_section=mrope, mrope_interleaved=True,
                                        partial_rotary_factor=PARTIAL_ROTARY_FACTOR)
         if self.moe:
-            expert = spec.intermediate_size // 2
-            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=expert,
-                        shared_expert_intermediate_size=expert, router_aux_loss_coef=0.001,
-                        # off in the config, as released: on, generate's decode steps fail in the aux loss
-                        # (a one-token step against the whole attention mask, transformers 5.23); TRL asks
-                        # for the router logits in its loss forwards itself
-                        output_router_logits=False)
+            text.update(moe_experts(spec), shared_expert_intermediate_size=spec.intermediate_size // 2)
         vision = dict(depth=spec.vision_depth, num_heads=spec.vision_heads, in_channels=3,
                       patch_size=self.patch_size, spatial_merge_size=2, temporal_patch_size=2,
                       hidden_size=spec.vision_hidden_size,

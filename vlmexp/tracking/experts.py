@@ -31,10 +31,13 @@ class ExpertUsage(TrainerCallback):
     def __init__(self, model, run: StageRun):
         import torch
 
-        self.run, self.counts = run, []
+        self.run, self.counts, self.window = run, [], []  # this rank's since the last step; all ranks'
+        self.top_k = 1
         for router in routers(model):
+            self.top_k = router.top_k
             counts = torch.zeros(router.num_experts, dtype=torch.long)
             self.counts.append(counts)
+            self.window.append(torch.zeros_like(counts))
             router.register_forward_hook(self._hook(counts))
 
     @staticmethod
@@ -48,18 +51,36 @@ class ExpertUsage(TrainerCallback):
 
         return hook
 
+    def on_step_end(self, args, state, control, **kwargs):
+        """This step's counts of every rank into the log window (every rank gets here once a step)."""
+        import torch
+        import torch.distributed as dist
+
+        if not self.counts:
+            return
+        flat = torch.cat(self.counts)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flat = flat.to(args.device)  # NCCL reduces device tensors only
+            dist.all_reduce(flat)
+            flat = flat.cpu()
+        for window, part in zip(self.window, flat.split([c.numel() for c in self.counts]), strict=True):
+            window.add_(part)
+        for c in self.counts:
+            c.zero_()
+
     def metrics(self) -> dict[str, float]:
-        """This log window's evenness, and the counts reset; {} when no training forward routed a token."""
+        """This log window's evenness, and the window reset; {} when no training forward routed a token."""
         import torch
 
-        layers = [c.double() for c in self.counts if c.sum() > 0]
-        for c in self.counts:
+        layers = [c.double() for c in self.window if c.sum() > 0]
+        for c in self.window:
             c.zero_()
         if not layers:
             return {}
         cv = torch.stack([c.std(unbiased=False) / c.mean() for c in layers]).mean()
         share = max(float(c.max() / c.sum()) for c in layers)
-        return {"moe/expert_load_cv": float(cv), "moe/expert_load_max_share": share}
+        return {"moe/expert_load_cv": float(cv), "moe/expert_load_max_share": share,
+                "moe/routed_tokens": float(layers[0].sum()) / self.top_k}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if (numbers := self.metrics()) and state.is_world_process_zero:

@@ -197,6 +197,7 @@ def train_and_save(trainer, inputs: StageInputs, rows: int) -> Path:
         trainer.add_callback(TrainerLogs(run))
         trainer.add_callback(models)
         trainer.callback_handler.callbacks.insert(0, HeadlineMetrics(inputs.stage))  # before TrainerLogs
+    if inputs.cfg.tracking.backend != "none":  # on every rank: each step's counts are summed over the ranks
         from vlmexp.tracking.experts import ExpertUsage, routers
 
         if routers(trainer.model):  # a mixture of experts: how evenly its experts are used
