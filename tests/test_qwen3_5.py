@@ -402,11 +402,12 @@ def test_moe_grpo_several_images_per_prompt_gspo_lora_on_experts_and_its_routing
 
 
 @pytest.mark.slow
-def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_and_without_it(tiny_models,
-                                                                                                tmp_path):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_and_without_it(
+        tiny_models, tmp_path, name):
     """A scripted policy calls the zoom in Qwen3.5's <function=...> format: TRL's loop parses it with the
     Qwen3.5 parser, the crop reaches the loss forward; evaluation answers with the tool (one zoom each, right)
-    and without it (one turn)."""
+    and without it (one turn). Dense and MoE."""
     from test_zoom import SIDE, frame_box, holds_rows, scene, tool_cfg, write_records
     from zoom_script import ScriptedTurns, call
 
@@ -420,7 +421,7 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.stage import train_and_save
 
-    model_dir = tiny_models["qwen3_5"]
+    model_dir = tiny_models[name]
     records = write_records(tmp_path / "data", ["zoom", "zoom"], bbox=True)
     cfg = tool_cfg(tmp_path / "out", model_dir, records, "grpo.args.max_steps=1",
                    "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
