@@ -74,8 +74,9 @@ def test_moe_sft_killed_then_resumed_matches_an_uninterrupted_run(tiny_models, t
 def test_torchrun_two_processes_train_the_moe_and_its_expert_counts_are_summed_over_the_ranks(
         tmp_path, tiny_models, mlflow_store):
     """The torchrun launcher with 2 CPU processes (DDP over gloo) on the tiny Qwen3.5-MoE, full fine-tuning
-    (experts a rank's batch leaves out get no gradient there): both ranks train, share the data, the main
-    process writes the model and the MLflow run. The expert counts are summed over both ranks: the tokens
+    (a layer's experts are one 3-D parameter: DDP sees it used, with zero rows for the experts a rank's batch
+    leaves out): both ranks train, share the data, the experts' weights move, the main process writes the
+    model and the MLflow run. The expert counts are summed over both ranks: the tokens
     routed in a step are at least the step's real tokens of both ranks (TRL's gathered `num_tokens`); rank
     0's alone would be about half."""
     import subprocess
