@@ -1,0 +1,122 @@
+"""GRPO recipes for the zoom demo tried from one SFT model: SFT (and its evaluation) once, then each GRPO
+recipe from that model, evaluated on the same held-out records and compared with SFT record by record.
+
+    .venv/bin/python bench/zoom_probe.py sft --dir D --seed 42 [k=v ...]
+    .venv/bin/python bench/zoom_probe.py grpo --dir D --name N --out F.json [k=v ...]
+
+`sft` trains SFT with the config and overrides in D/work (kept: its model, sampled data and evaluation) and
+writes D/sft.json (overrides, seconds, metrics). `grpo` loads the same config with sft.json's overrides and
+its own (GRPO's recipe: grpo.* keys), trains GRPO from D's SFT model in D/<name>, evaluates it, and writes
+F.json: both models' metrics, GRPO - SFT with the tool and without (paired SE over the held-out records, as
+bench/demo_matrix.py computes them), the seconds of each phase and the load average. Tracking is off; the CPU
+arithmetic and the threads are the caller's (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS), recorded in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from demo_matrix import machine, paired  # noqa: E402
+
+
+def scores_of(eval_dir: Path) -> dict[str, list[float]]:
+    from vlmexp.files import read_jsonl
+
+    return {mode: [row["score"] for row in read_jsonl(eval_dir / name)]
+            for mode, name in (("no_tool", "samples.jsonl"), ("tool", "samples_tool.jsonl"))}
+
+
+def environment() -> dict:
+    import torch
+
+    return {"machine": machine(), "torch_threads": torch.get_num_threads(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=REPO).stdout.strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def run_sft_once(args: argparse.Namespace) -> None:
+    from vlmexp.checks.loader import load_config
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.evaluate import evaluate
+    from vlmexp.modeling import resolve_model
+    from vlmexp.train.sft import run_sft
+
+    work = args.dir / "work"
+    cfg = load_config(REPO / args.config, [f"run.output_dir={work}", "tracking.backend=none",
+                                           f"run.seed={args.seed}", *args.overrides])
+    data = prepare_data(cfg)
+    resolve_model(cfg.model, work)
+    clock = time.monotonic()
+    model = run_sft(cfg)
+    sft_s = round(time.monotonic() - clock, 1)
+    result = evaluate(cfg, str(model), data.val, work / "eval" / "sft")
+    record = {"config": args.config, "seed": args.seed, "overrides": args.overrides, "model": str(model),
+              "val": str(data.val), "sft_s": sft_s, "eval_s": round(time.monotonic() - clock - sft_s, 1),
+              "metrics": result.metrics, "load_after": os.getloadavg(), **environment()}
+    (args.dir / "sft.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: round(v, 3) for k, v in result.metrics.items()}), flush=True)
+
+
+def run_grpo_variant(args: argparse.Namespace) -> None:
+    from vlmexp.checks.loader import load_config
+    from vlmexp.evaluate import evaluate
+    from vlmexp.train.grpo import run_grpo
+
+    sft = json.loads((args.dir / "sft.json").read_text())
+    work = args.dir / args.name
+    cfg = load_config(REPO / sft["config"], [f"run.output_dir={work}", "tracking.backend=none",
+                                             f"run.seed={sft['seed']}", *sft["overrides"], *args.overrides])
+    load_before = os.getloadavg()
+    clock = time.monotonic()
+    model = run_grpo(cfg, sft["model"])
+    grpo_s = round(time.monotonic() - clock, 1)
+    result = evaluate(cfg, str(model), sft["val"], work / "eval" / "grpo")
+    before, after = scores_of(args.dir / "work" / "eval" / "sft"), scores_of(work / "eval" / "grpo")
+    kept = ("config", "seed", "overrides", "sft_s", "commit")
+    record = {"name": args.name, "sft": {k: sft[k] for k in kept},
+              "grpo_overrides": args.overrides, "grpo_s": grpo_s,
+              "eval_s": round(time.monotonic() - clock - grpo_s, 1), "held_out": len(after["tool"]),
+              "metrics": {"sft": sft["metrics"], "grpo": result.metrics},
+              "grpo_minus_sft": {mode: paired(before[mode], after[mode]) for mode in before},
+              "load_before": load_before, "load_after": os.getloadavg(), **environment()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    m = result.metrics
+    gain = record["grpo_minus_sft"]["tool"]
+    print(f"{args.name}: tool {sft['metrics']['tool_exact_accuracy']:.3f} -> {m['tool_exact_accuracy']:.3f} "
+          f"({gain['gain']:+.3f}, SE {gain['se']:.3f}); held {sft['metrics']['tool_zoom_on_target']:.3f} -> "
+          f"{m['tool_zoom_on_target']:.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=("sft", "grpo"))
+    parser.add_argument("--dir", type=Path, required=True, help="the probe's folder (SFT's model kept)")
+    parser.add_argument("--config", default="configs/demo_zoom.yaml")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--name", default="grpo", help="grpo: the recipe's folder under --dir")
+    parser.add_argument("--out", type=Path, default=None, help="grpo: the JSON to write")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = parser.parse_intermixed_args()
+    args.dir = args.dir.resolve()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    if args.stage == "sft":
+        run_sft_once(args)
+    elif args.out is None:
+        raise SystemExit("grpo needs --out F.json")
+    else:
+        run_grpo_variant(args)
+
+
+if __name__ == "__main__":
+    main()
