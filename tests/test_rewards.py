@@ -221,3 +221,40 @@ def test_reward_returning_the_wrong_shape_or_type_names_itself():
     bad_type = guarded(lambda prompts=None, completions=(), **k: ["high"], "wordy")
     with pytest.raises(RewardError, match="'wordy' returned 'high' for sample 0; return a float or None"):
         bad_type(completions=["a"])
+
+
+def zoomed(*boxes: list[int]) -> list[dict]:
+    """A tool conversation whose calls zoom into `boxes` (grid1000 frame), each answered by a crop."""
+    turns = []
+    for box in boxes:
+        call = {"type": "function", "function": {"name": "image_zoom_in_tool", "arguments": {"bbox_2d": box}}}
+        turns += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "name": "image_zoom_in_tool", "content": [{"type": "image"}]}]
+    return [*turns, {"role": "assistant", "content": "<answer>red</answer>"}]
+
+
+def test_zoom_target_pays_the_share_of_the_target_the_zooms_held():
+    """200 x 100 image, target x 40-60, y 40-60: a crop of x 0-100 holds it, one of x 50-200 half of it; the
+    best of several crops counts; no zoom scores 0, a record without a box None; `whole` pays only a held
+    target; two targets average."""
+    from vlmexp.config.stages import GRPOStageConfig
+    from vlmexp.scoring import without_tool_reward
+    from vlmexp.tools import reward_specs
+
+    completions = [zoomed([0, 0, 500, 1000]), zoomed([250, 0, 1000, 1000]),
+                   zoomed([250, 0, 1000, 1000], [100, 300, 400, 700]), msg("<answer>red</answer>"),
+                   zoomed([0, 0, 500, 1000])]
+    columns = {"bbox": [[40, 40, 60, 60]] * 4 + [None], "image_sizes": [[[200, 100]]] * 5}
+    assert build_reward("zoom_target", {}, "grid1000", None)(completions=completions, **columns) == [
+        1.0, 0.5, 1.0, 0.0, None]
+    assert build_reward("zoom_target", {"whole": True}, "grid1000", None)(
+        completions=completions, **columns) == [1.0, 0.0, 1.0, 0.0, None]
+    two = {"bbox": [[[40, 40, 60, 60], [150, 40, 170, 60]]], "image_sizes": [[[200, 100]]]}
+    assert build_reward("zoom_target", {}, "grid1000", None)(completions=completions[:1], **two) == [0.5]
+    # GRPO tells it the tool's min_crop_side; a single answer's scoring leaves it out; it needs the tool
+    grpo = GRPOStageConfig(rewards=[{"name": "exact"}, {"name": "zoom_target"}],
+                           tools={"names": ["zoom"], "min_crop_side": 40})
+    assert [s.kwargs for s in reward_specs(grpo)] == [{}, {"min_crop_side": 40}, {"max_turns": 3}]
+    assert [r.name for r in without_tool_reward(grpo.rewards)] == ["exact"]
+    with pytest.raises(ValueError, match="the zoom_target reward scores completions that called a tool"):
+        GRPOStageConfig(rewards=[{"name": "zoom_target"}])

@@ -364,9 +364,56 @@ class ToolReward(Reward):
                 for r, c in zip(right, counts, strict=True)]
 
 
+@dataclass
+class ZoomTargetReward(Reward):
+    """How well a completion's zooms held the record's target(s) (`bbox`, original pixels): for each target,
+    the largest share of its area inside one crop, averaged over the targets; with `whole`, 1 when every
+    target lies whole inside a crop (evaluation's tool_zoom_on_target) else 0. A completion without a zoom
+    scores 0; a record without a box, None. The crops are found again from the calls as the tool made them
+    (vlmexp.tools.zoom.replayed_zooms; `min_crop_side` is grpo.tools.min_crop_side, set by the loader). Paid
+    beside the answer's reward, it rewards where the zoom looked, not only what was answered."""
+
+    name: ClassVar[str] = "zoom_target"
+    whole: bool = False
+    min_crop_side: int = 28
+    frame: str = "pixels"
+    budget: Any = None
+
+    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+                 log_metric: Callable[[str, float], None] | None = None,
+                 log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
+        n = len(completions)
+        boxes, sizes = _column(kwargs, "bbox", n), _column(kwargs, "image_sizes", n)
+        return [self.held(c, b, s) for c, b, s in zip(completions, boxes, sizes, strict=True)]
+
+    def held(self, completion: Any, bbox: Any, image_sizes: Any) -> Score:
+        from vlmexp.tools.zoom import held_targets, replayed_zooms
+
+        if not bbox:
+            return None
+        if not image_sizes:
+            raise ValueError(f"record has a bbox ({bbox!r}) but no image size; sample it again with "
+                             "`vlmexp sample`")
+        targets = [bbox] if isinstance(bbox[0], (int, float)) else list(bbox)
+        width, height = image_sizes[0]
+        crops = replayed_zooms(completion, width, height, self.frame, self.budget, self.min_crop_side)
+        if self.whole:
+            return float(bool(crops) and held_targets(crops, targets))
+        return sum(max((_inside(c, t) for c in crops), default=0.0) for t in targets) / len(targets)
+
+
+def _inside(crop: Sequence[float], box: Sequence[float]) -> float:
+    """The share of `box`'s area inside `crop` (0 for a degenerate box)."""
+    area = (box[2] - box[0]) * (box[3] - box[1])
+    ix = max(0.0, min(crop[2], box[2]) - max(crop[0], box[0]))
+    iy = max(0.0, min(crop[3], box[3]) - max(crop[1], box[1]))
+    return ix * iy / area if area > 0 else 0.0
+
+
 REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
                                                                  GIoUReward, MathReward, ExactReward,
-                                                                 DetectionReward, ToolReward)}
+                                                                 DetectionReward, ToolReward,
+                                                                 ZoomTargetReward)}
 
 
 def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:

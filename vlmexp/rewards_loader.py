@@ -13,10 +13,21 @@ from typing import Any
 
 from vlmexp.errors import short
 from vlmexp.model_rewards import MODEL_REGISTRY
-from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, ToolReward, guarded
+from vlmexp.rewards import (
+    REGISTRY,
+    DetectionReward,
+    FormatReward,
+    IoUReward,
+    Score,
+    ToolReward,
+    ZoomTargetReward,
+    guarded,
+)
 
 # every registered name: the rule-based rewards and the model rewards
 REWARDS = {**REGISTRY, **MODEL_REGISTRY}
+# the rewards that read boxes in the model family's frame (build_reward gives them the frame and the budget)
+FRAMED = (IoUReward, DetectionReward, ToolReward, ZoomTargetReward)
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and transformers takes ~5 s here
@@ -154,7 +165,7 @@ def build_reward(name: str, kwargs: dict[str, Any], frame: str, budget: Any,
     if name not in REWARDS:
         return guarded(load_custom(name), name)
     args = dict(kwargs)
-    if issubclass(REWARDS[name], (IoUReward, DetectionReward, ToolReward)):  # boxes in the family's frame
+    if issubclass(REWARDS[name], FRAMED):
         args.update(frame=frame, budget=budget)
     if REWARDS[name] is FormatReward and args.get("prefilled_think") is None:
         args["prefilled_think"] = prefilled_think

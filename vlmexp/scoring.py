@@ -185,8 +185,8 @@ def score_group(rewards, weights: list[float], prompt, texts: list[str],
 def without_tool_reward(rewards: Sequence[Any]) -> list[Any]:
     """The configured rewards evaluation scores answers with: the tool reward reads a conversation's zooms,
     which a single answer has none of (evaluation with the tool scores it on the conversations,
-    `reward_tool`)."""
-    return [r for r in rewards if r.name != "tool"]
+    `reward_tool`); nor does zoom_target read a single answer's zooms."""
+    return [r for r in rewards if r.name not in ("tool", "zoom_target")]
 
 
 def tool_modes(cfg: Config) -> tuple[str, ...]:

@@ -85,9 +85,10 @@ class SFTStageConfig(StageConfig):
 
 class RewardSpec(Section):
     name: str = Field(..., min_length=1, description="A registered reward (format, iou, iou_threshold, "
-                      "giou, math, exact, detection, tool, judge, reward_model) or module:function. The "
-                      "loader checks the name; its `import_rewards` switch (on in `vlmexp validate`, `run` "
-                      "and `train`) also imports a module:function's module, in a child process.")
+                      "giou, math, exact, detection, tool, zoom_target, judge, reward_model) or "
+                      "module:function. The loader checks the name; its `import_rewards` switch (on in "
+                      "`vlmexp validate`, `run` and `train`) also imports a module:function's module, in a "
+                      "child process.")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built "
                                                                      "with (e.g. iou_threshold's threshold; "
@@ -179,10 +180,11 @@ class GRPOStageConfig(StageConfig):
         if self.difficulty_filter.reward not in ("overall", *names):
             raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor "
                              f"one of grpo.rewards {names}; name one of them")
-        if "tool" in names and not self.tools.names:
-            raise ValueError("the tool reward scores completions that called a tool, and grpo.tools.names "
-                             "offers none: add tools (e.g. grpo.tools.names: [zoom]) or remove the tool "
-                             "reward")
+        for name in ("tool", "zoom_target"):
+            if name in names and not self.tools.names:
+                raise ValueError(f"the {name} reward scores completions that called a tool, and "
+                                 "grpo.tools.names offers none: add tools (e.g. grpo.tools.names: [zoom]) or "
+                                 f"remove the {name} reward")
         if self.tools.names and self.difficulty_filter.enabled:
             raise ValueError("difficulty_filter samples single-turn completions, without the tools that "
                              "grpo.tools offers: set difficulty_filter.enabled: false, or "

@@ -39,15 +39,18 @@ def zoom_replay(tools: ToolsConfig, family, budget):
 
 
 def reward_specs(grpo: GRPOStageConfig) -> list[RewardSpec]:
-    """grpo.rewards, with the tool reward told max_turns, and added at weight 0 when tools are on and it is
-    not configured: its zoom metrics (zoom/*) are logged in every tool run."""
+    """grpo.rewards, with the tool reward told max_turns and the zoom_target reward min_crop_side, and the
+    tool reward added at weight 0 when tools are on and it is not configured: its zoom metrics (zoom/*) are
+    logged in every tool run."""
     specs = list(grpo.rewards)
     if not grpo.tools.names:
         return specs
     if "tool" not in [s.name for s in specs]:
         specs.append(RewardSpec(name="tool", weight=0.0))
-    return [s.model_copy(update={"kwargs": {**s.kwargs, "max_turns": grpo.tools.max_turns}})
-            if s.name == "tool" else s for s in specs]
+    told = {"tool": {"max_turns": grpo.tools.max_turns},
+            "zoom_target": {"min_crop_side": grpo.tools.min_crop_side}}
+    return [s.model_copy(update={"kwargs": {**s.kwargs, **told[s.name]}}) if s.name in told else s
+            for s in specs]
 
 
 def tool_settings(grpo: GRPOStageConfig) -> dict[str, Any]:
