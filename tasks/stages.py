@@ -17,6 +17,11 @@ from prefect.runtime import flow_run
 
 from vlmexp.results import Evaluation, PipelineResult, Promotion, SampledData, StageResult
 
+# how often the pipeline's task asks the server whether a stage's deployment run has ended (Prefect's
+# run_deployment asks every 5 s: 2.5 s on average after each stage's end, a run of stages on a GPU pool
+# waiting a few seconds per stage for nothing); one read of a flow run a second costs the server little
+STAGE_POLL_SECONDS = 1.0
+
 
 def _key(prefix: str):
     def cache_key(context, parameters: dict[str, Any]) -> str:
@@ -115,7 +120,7 @@ def _on_deployment(stage: str, resolved: str, folder: Path, key: str, parameters
 
     get_run_logger().info("%s runs as deployment %s", stage, name)
     run = run_deployment(name, parameters={"stage": stage, "resolved": resolved, "key": key, **parameters},
-                         as_subflow=True)
+                         as_subflow=True, poll_interval=STAGE_POLL_SECONDS)
     get_run_logger().info("%s: flow run %s (%s) ended %s", stage, run.name, run.id, run.state.name)
     return remote_result(name, str(run.id), run.state.type.value, run.state.message, folder, key, kind)
 

@@ -103,6 +103,9 @@ def test_first_run_on_a_new_machine_splits_a_val_fraction_builds_the_model_and_s
     val = (out / "data/val.jsonl").read_text().splitlines()
     assert (len(train), len(val)) == (18, 6) and not set(train) & set(val)
     assert list((out / "models").glob("tiny-qwen2_5_vl-*/model.safetensors"))
+    # the terminal: no progress bar of a model's save (the tiny model's build, each stage's checkpoint and
+    # final model, the export), which --verbose shows (tests/test_train.py)
+    assert "Writing model shards" not in r.stdout + r.stderr, r.stderr[-3000:]
     # each stage is started with the run's resolved config, which the pipeline checked when it wrote it
     resolved = out / "config.resolved.yaml"
     assert resolved.is_file()

@@ -112,6 +112,7 @@ def test_grpo_updates_and_logs_each_reward(tmp_path, capsys):
     assert all(" left  reward " in line and "  iou " in line and "format" not in line
                for line in lines), lines
     assert "{'loss'" not in shown.out + shown.err and "'reward'" not in shown.out + shown.err
+    assert "Writing model shards" not in shown.err, shown.err[-2000:]  # no bar at checkpoint-3's save
     assert "grpo  done: 3 steps in" in shown.out and str(tmp_path / "grpo" / "metrics.jsonl") in shown.out
     logged = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in logged if "reward" in h] == [1, 2, 3]
@@ -137,6 +138,7 @@ def test_train_cli_runs_a_stage_without_mlflow(tmp_path):
                        capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("{'loss': ") == 2 and "sft  step " not in r.stdout, r.stdout[-2000:]
+    assert "Writing model shards" in r.stderr, r.stderr[-2000:]  # the saves' bars too
     assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").is_file()
     hidden = subprocess.run([sys.executable, "-c", "import mlflow"], capture_output=True, text=True, env=env)

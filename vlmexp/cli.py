@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="retrain even when config and data are unchanged")
     p.add_argument("--verbose", action="store_true",
                    help="show each logging step's every metric, as the Trainer prints it (transformers' log "
-                        "level INFO, TRANSFORMERS_VERBOSITY=info); default: one progress line a step")
+                        "level INFO, TRANSFORMERS_VERBOSITY=info) and the bars of model saves; default: one "
+                        "progress line a step")
     p.set_defaults(func=commands.cmd_run)
 
     p = sub.add_parser("prefect-setup", help="create or update vlmexp's automations on the Prefect server at "
@@ -157,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or wait or refuse as run.on_busy says when another run holds it")
     p.add_argument("--verbose", action="store_true",
                    help="show each logging step's every metric, as the Trainer prints it (transformers' log "
-                        "level INFO, TRANSFORMERS_VERBOSITY=info); default: one progress line a step")
+                        "level INFO, TRANSFORMERS_VERBOSITY=info) and the bars of model saves; default: one "
+                        "progress line a step")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=commands.cmd_train)
 

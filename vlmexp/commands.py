@@ -81,11 +81,15 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def show_every_metric(verbose: bool) -> None:
     """`--verbose`: transformers' log level INFO here and in the stage processes this command starts (they
     inherit it as TRANSFORMERS_VERBOSITY, the variable transformers itself reads), so that each stage shows
-    the Trainer's dict of every metric at each logging step (vlmexp.train.progress)."""
+    the Trainer's dict of every metric at each logging step (vlmexp.train.progress). Below that level, no
+    progress bar for this process's model saves (a tiny model's build, the export), as in its stages."""
     import os
+
+    from vlmexp.train.verbosity import quiet_model_saves
 
     if verbose:
         os.environ["TRANSFORMERS_VERBOSITY"] = "info"
+    quiet_model_saves()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -99,10 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from vlmexp.pipeline.hold import refuse_if_held
     from vlmexp.pipeline.keys import run_folder
 
-    show_every_metric(args.verbose)
     found = run_folder(args.config, args.overrides)
     if found is not None and found[1].run.on_busy == "refuse":  # before a server starts: the flow holds it
         refuse_if_held(found[0])
+    show_every_metric(args.verbose)  # after the refusal: it imports transformers' logging (seconds)
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server: its telemetry heartbeat has no use offline and, racing the flow for the
         # fresh sqlite database, logs "database is locked" tracebacks into the demo's output.

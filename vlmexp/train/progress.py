@@ -2,31 +2,25 @@
 the time left, the stage's one or two key figures) instead of the Trainer's dict of every metric, which goes
 to the stage's `metrics.jsonl` (and to MLflow, vlmexp.tracking.callbacks.TrainerLogs). A log level of INFO or
 lower for transformers (`--verbose`, `TRANSFORMERS_VERBOSITY=info`, or the stage's `args.log_level`) brings
-the dicts back."""
+the dicts back, and transformers' bar over a model's save ("Writing model shards": at each checkpoint, the
+final save, a tiny model's build, the export), which is off otherwise (vlmexp.train.verbosity)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from vlmexp.summary import METRICS_FILE
+from vlmexp.train.verbosity import quiet_model_saves, verbose
 
 # the figures a progress line shows, by stage; GRPO adds its rewards' means (rewards/<name>/mean) but the
 # format reward's
 KEY_FIGURES = {"sft": ("loss", "mean_token_accuracy"), "dpo": ("loss", "rewards/margins"),
                "grpo": ("reward",)}
 SHOWN_REWARDS = 2
-
-
-def verbose() -> bool:
-    """Whether the Trainer's metric dicts are shown: transformers' log level is INFO or lower."""
-    from transformers.utils import logging as hf_logging
-
-    return hf_logging.get_verbosity() <= logging.INFO
 
 
 def key_figures(stage: str, logs: dict) -> list[tuple[str, float]]:
@@ -92,11 +86,12 @@ class ProgressLine(TrainerCallback):
 
 def show_progress(trainer, stage: str, folder: Path) -> None:
     """Give `trainer` the progress line; unless `verbose()`, in place of transformers' progress bar and its
-    dicts (ProgressCallback, PrinterCallback)."""
+    dicts (ProgressCallback, PrinterCallback), and without the save's bar at each checkpoint."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     loud = verbose()
     if not loud:
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
+    quiet_model_saves()
     trainer.add_callback(ProgressLine(stage, folder, show_line=not loud))

@@ -59,7 +59,9 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.modeling import adapter_base, check_hardware, resolve_model
     from vlmexp.processor import load_processor
     from vlmexp.train.validation import check_sharding
+    from vlmexp.train.verbosity import quiet_model_saves
 
+    quiet_model_saves()  # a tiny model's build below, unless verbose (the checkpoints': show_progress)
     check_hardware(getattr(cfg, stage), stage)
     check_model_rewards(cfg, stage)  # a judge endpoint that is down, before any model loads
     check_sharding(cfg, stage)  # validation during training with sharded parameters over several processes
