@@ -1,0 +1,194 @@
+"""GRPO's online filter (grpo.online_filter): the config's refusals, the TRL shapes it relies on, and real
+GRPO steps on the tiny Qwen2.5-VL whose rewards (tests/rewards_for_tests.py) make known groups flat or out of
+band: the groups trained are exactly the kept ones, refilled from new prompts; the metrics reach MLflow, also
+after a resume; the zoom tool's multi-turn groups are filtered; when the rounds run out the filled groups
+train nothing; two torchrun processes filter alike."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+from pathlib import Path
+
+import pytest
+
+from vlmexp.checks.loader import load_config
+from vlmexp.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+ODD = "grpo.rewards=[{name: 'rewards_for_tests:odd_rows_vary'}]"  # even source rows: flat groups
+BAND = "grpo.rewards=[{name: 'rewards_for_tests:band_by_row'}]"  # group mean by source_row % 4
+STEPS = ["grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
+         "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=8",
+         "grpo.args.logging_steps=1", "grpo.args.warmup_steps=0", "grpo.args.learning_rate=0.01"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["grpo.online_filter.key=accuracy", "grpo.online_filter.low=0.1"],
+     "online_filter.key 'accuracy' is not std, overall nor one of grpo.rewards ['format', 'iou']"),
+    (["grpo.online_filter.low=0.1"], "key std drops the groups whose rewards are all equal and has no "
+                                     "bounds"),
+    (["grpo.online_filter.key=iou"], "key 'iou' judges a group's mean against low/high and neither is set"),
+    (["grpo.online_filter.key=overall", "grpo.online_filter.low=0.5", "grpo.online_filter.high=0.5"],
+     "low (0.5) must be below high (0.5)"),
+    (["grpo.online_filter.max_extra_rounds=-1"], "greater than or equal to 0"),
+])
+def test_config_refusals(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/demo.yaml", overrides)
+    assert message in str(e.value) and "grpo" in str(e.value)
+
+
+def test_off_by_default_and_allowed_with_tools():
+    cfg = load_config(REPO / "configs/demo.yaml", ["grpo.online_filter.key=iou",
+                                                   "grpo.online_filter.low=0.1"])
+    assert not cfg.grpo.online_filter.enabled and cfg.grpo.online_filter.max_extra_rounds == 4
+    load_config(REPO / "configs/demo.yaml", ["grpo.online_filter.enabled=true", "grpo.tools.names=[zoom]"])
+
+
+def _output_keys(function) -> set[str]:
+    """The keys `function` writes into its `output` dict: `output = {...}` and `output[...] = ...`."""
+    tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(function)))
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if (isinstance(target, ast.Name) and target.id == "output"
+                        and isinstance(node.value, ast.Dict)):
+                    keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                        and target.value.id == "output" and isinstance(target.slice, ast.Constant)):
+                    keys.add(target.slice.value)
+    return keys
+
+
+def test_the_trl_shapes_the_filter_relies_on():
+    """Fails, naming what moved, when TRL changes a method the filter overrides or calls, or adds an output
+    key the merge of rounds does not know."""
+    from trl import GRPOTrainer
+    from trl.trainer import utils
+
+    from vlmexp.train.online_filter import PAD_SIDE, PER_SAMPLE, RECOUNTED
+
+    def params(f):
+        return list(inspect.signature(f).parameters)
+
+    assert params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    assert params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions",
+                                                      "completion_ids_list"]
+    assert params(utils.split_pixel_values_by_grid) == params(utils.unsplit_pixel_values_by_grid) == ["batch"]
+    assert params(utils.pad)[:3] == ["tensors", "padding_value", "padding_side"]
+    attributes = inspect.getsource(GRPOTrainer.__init__) + inspect.getsource(GRPOTrainer.training_step)
+    for name in ("self.reward_weights", "self.num_generations", "self._tokenizer", "self._step",
+                 "self._metrics"):
+        assert name in attributes, name
+    keys = _output_keys(GRPOTrainer._generate_and_score_completions)
+    assert {"prompt_ids", "completion_mask", "advantages", "num_items_in_batch", "pixel_values"} <= keys
+    unknown = keys - set(PAD_SIDE) - set(PER_SAMPLE) - set(RECOUNTED)
+    assert not unknown, f"TRL's generation output has keys the online filter's merge table lacks: {unknown}"
+    # TRL counts the loss's tokens as the filter recounts them
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in source
+    assert "completion_mask if tool_mask is None else completion_mask * tool_mask" in source
+
+
+def _cfg(out: Path, model: Path, *overrides: str):
+    return load_config(REPO / "configs/demo.yaml", [
+        f"run.output_dir={out}", f"model.path={model}", "tracking.backend=none", "sft.enabled=false",
+        "data.demo.train=12", "data.demo.val=2", "grpo.online_filter.enabled=true", *STEPS, *overrides])
+
+
+def _train(cfg):
+    """Train the GRPO stage of `cfg`; (trainer, the generation batches the loss got, the labels of their
+    records' rows that train: advantages and completion mask not zeroed)."""
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.grpo_pairing import EXPECTED
+    from vlmexp.train.stage import train_and_save
+
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    batches, generate = [], trainer._generate_and_score_completions
+
+    def keep(generation_batch):  # the merged batch, as TRL's _prepare_inputs receives it
+        batches.append(output := generate(generation_batch))
+        return output
+
+    trainer._generate_and_score_completions = keep
+    train_and_save(trainer, inputs, rows)
+    trained = [[label for (label, *_), live in zip(b[EXPECTED], b["completion_mask"].any(1), strict=True)
+                if live] for b in batches]
+    return trainer, batches, trained
+
+
+def _row(label: str) -> int:
+    return int(label.removeprefix("record "))
+
+
+def _logged(trainer, name: str) -> list[float]:
+    return [h[name] for h in trainer.state.log_history if name in h]
+
+
+@pytest.mark.slow
+def test_flat_groups_are_dropped_and_refilled_from_new_prompts(tmp_path, tiny_models):
+    """odd_rows_vary: even source rows score flat. Each step's 2 groups are refilled until both are odd rows,
+    and the merged batch is whole: 8 rows, token counts recounted, a pixel row block per sample (the pairing
+    guard checks every micro-batch against its record)."""
+    trainer, batches, trained = _train(_cfg(tmp_path, tiny_models["qwen2_5_vl"], ODD, "grpo.args.max_steps=3",
+                                            "grpo.online_filter.max_extra_rounds=8"))
+    assert len(batches) == 3 and all(len(t) == 8 for t in trained)
+    assert all(_row(label) % 2 for t in trained for label in t)
+    for batch in batches:
+        assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
+        assert batch["advantages"].abs().min() > 0.5  # every kept group has signal
+    generated = _logged(trainer, "online_filter/groups_generated")
+    assert _logged(trainer, "online_filter/groups_kept") == [2.0] * 3 and max(generated) > 2
+    # a round may bring more in-band groups than the batch still needs: those are left out
+    flat = _logged(trainer, "online_filter/dropped_flat")
+    assert max(flat) > 0 and all(0 <= g - 2 - f < 2 for g, f in zip(generated, flat, strict=True))
+    assert _logged(trainer, "online_filter/groups_short") == [0.0] * 3
+    assert max(_logged(trainer, "online_filter/rounds")) > 0
+    assert all(s > 0 for s in _logged(trainer, "online_filter/generation_seconds"))
+
+
+@pytest.mark.slow
+def test_a_band_keeps_exactly_the_groups_whose_mean_lies_in_it(tmp_path, tiny_models):
+    """band_by_row: means 0.05, 0.3, 0.55, 0.8 by source_row % 4; the band (0.2, 0.6) keeps rows 1 and 2."""
+    trainer, batches, trained = _train(_cfg(
+        tmp_path, tiny_models["qwen2_5_vl"], BAND, "grpo.args.max_steps=2", "grpo.online_filter.key=overall",
+        "grpo.online_filter.low=0.2", "grpo.online_filter.high=0.6", "grpo.online_filter.max_extra_rounds=8"))
+    assert all(len(t) == 8 for t in trained)
+    assert {_row(label) % 4 for t in trained for label in t} <= {1, 2}
+    dropped = [lo + hi for lo, hi in zip(_logged(trainer, "online_filter/dropped_low"),
+                                         _logged(trainer, "online_filter/dropped_high"), strict=True)]
+    assert max(dropped) > 0 and all(0 <= g - 2 - d < 2 for g, d in zip(
+        _logged(trainer, "online_filter/groups_generated"), dropped, strict=True))
+
+
+@pytest.mark.slow
+def test_when_the_rounds_run_out_the_filled_groups_train_nothing(tmp_path, tiny_models, caplog):
+    """A band no group reaches (every mean is at most 0.85): after one extra round the batch is filled with
+    dropped groups, advantages and completion masks zeroed, and the step leaves the weights as they were;
+    the same step without the filter moves them."""
+    import torch
+
+    def weights(folder: Path):
+        from safetensors.torch import load_file
+
+        return load_file(folder / "grpo" / "final" / "model.safetensors")
+
+    args = (BAND, "grpo.args.max_steps=1", "grpo.online_filter.key=overall", "grpo.online_filter.low=0.9",
+            "grpo.online_filter.max_extra_rounds=1")
+    with caplog.at_level(logging.WARNING, logger="vlmexp.train"):
+        trainer, batches, trained = _train(_cfg(tmp_path / "short", tiny_models["qwen2_5_vl"], *args))
+    assert "trained on 0 of 2 groups in band after 1 extra rounds" in caplog.text
+    assert _logged(trainer, "online_filter/groups_short") == [2.0] and trained == [[]]
+    [batch] = batches
+    assert not batch["advantages"].any() and batch["num_items_in_batch"].item() == 0
+    from safetensors.torch import load_file
+
+    base = load_file(Path(tiny_models["qwen2_5_vl"]) / "model.safetensors")
+    after = weights(tmp_path / "short")
+    assert all(torch.equal(base[k], after[k]) for k in base)
+    _train(_cfg(tmp_path / "plain", tiny_models["qwen2_5_vl"], *args, "grpo.online_filter.enabled=false"))
+    moved = weights(tmp_path / "plain")
+    assert any(not torch.equal(base[k], moved[k]) for k in base)
