@@ -9,6 +9,9 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +195,97 @@ def test_when_the_rounds_run_out_the_filled_groups_train_nothing(tmp_path, tiny_
     _train(_cfg(tmp_path / "plain", tiny_models["qwen2_5_vl"], *args, "grpo.online_filter.enabled=false"))
     moved = weights(tmp_path / "plain")
     assert any(not torch.equal(base[k], moved[k]) for k in base)
+
+
+def _history(client, run, name: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, name)]
+
+
+@pytest.mark.slow
+def test_the_metrics_reach_mlflow_and_a_resumed_run_goes_on_filtering(tmp_path, tiny_models, mlflow_store):
+    """Step 1 saves a checkpoint and stops; a second run resumes there and filters again at step 2. Each run's
+    online_filter/* metrics are read back from the MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    out = mlflow_store(tmp_path / "out")
+    resumed = []
+    for step in (1, 2):
+        trainer, _, trained = _train(_cfg(out, tiny_models["qwen2_5_vl"], ODD, f"grpo.args.max_steps={step}",
+                                          "grpo.args.save_steps=1", "tracking.backend=mlflow",
+                                          "grpo.online_filter.max_extra_rounds=8"))
+        resumed.append(trainer.state.global_step)
+        assert trained[-1] and all(_row(label) % 2 for label in trained[-1])
+    assert resumed == [1, 2] and (out / "grpo" / "checkpoint-1").is_dir()
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], order_by=["start_time"])
+    assert [_history(client, r, "online_filter/groups_kept") for r in runs] == [[(1, 2.0)], [(2, 2.0)]]
+    for run in runs:
+        for name in ("groups_generated", "dropped_low", "dropped_high", "dropped_flat", "rounds",
+                     "generation_seconds", "groups_short"):
+            assert len(_history(client, run, f"online_filter/{name}")) == 1, name
+        generated = _history(client, run, "online_filter/groups_generated")[0][1]
+        flat = _history(client, run, "online_filter/dropped_flat")[0][1]
+        assert generated >= 2 + flat and _history(client, run, "online_filter/groups_short")[0][1] == 0
+
+
+@pytest.mark.slow
+def test_the_zoom_tools_multi_turn_groups_are_filtered(tmp_path, tiny_models):
+    """Four scripted records (tests/test_zoom.py): two answer right (one after a zoom), two never do; key
+    exact with low 0.5 keeps the first two, and a second round of the same records fills the batch with them.
+    The pairing guard checks every micro-batch's images and crops against its record and environment."""
+    from test_zoom import scripted, tool_cfg, write_records
+
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.grpo_pairing import EXPECTED
+    from vlmexp.train.stage import train_and_save
+
+    records = write_records(tmp_path / "data", ["zoom", "outside", "malformed", "forever"])
+    cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records, "grpo.args.max_steps=1",
+                   "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
+                   "grpo.args.gradient_accumulation_steps=1", "grpo.online_filter.enabled=true",
+                   "grpo.online_filter.key=exact", "grpo.online_filter.low=0.5")
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    batches, generate = [], trainer._generate_and_score_completions
+
+    def keep(generation_batch):
+        batches.append(output := generate(generation_batch))
+        return output
+
+    trainer._generate_and_score_completions = keep
+    train_and_save(trainer, inputs, rows)
+    [batch] = batches
+    labels = [label for label, *_ in batch[EXPECTED]]
+    assert sorted(labels) == ["record 0"] * 4 + ["record 1"] * 4 and batch["completion_mask"].any(1).all()
+    assert batch["num_images"] and max(batch["num_images"]) == 2  # the zoom's crop travelled with its rows
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert (logs["online_filter/groups_kept"], logs["online_filter/dropped_low"], logs["online_filter/rounds"]
+            ) == (4, 4, 1)
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_filter_their_own_groups(tmp_path, run_inputs):
+    """Two CPU processes, one group each per step: both refill until their group has signal, as many rounds
+    as the one furthest short; the summed metrics reach MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    model = run_inputs(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", "configs/demo.yaml",
+                        f"run.output_dir={tmp_path}", *model, "tracking.backend=mlflow",
+                        f"tracking.tracking_uri={store}", "data.demo.train=12", "data.demo.val=2", *STEPS,
+                        "grpo.args.per_device_train_batch_size=4", "grpo.args.max_steps=2",
+                        "grpo.args.save_steps=2", ODD, "grpo.online_filter.enabled=true",
+                        "grpo.online_filter.max_extra_rounds=8", "launch.launcher=torchrun",
+                        "launch.nproc_per_node=2"],
+                       capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert _history(client, run, "online_filter/groups_kept") == [(1, 2.0), (2, 2.0)]
+    assert [v for _, v in _history(client, run, "online_filter/groups_short")] == [0.0, 0.0]
+    generated = [v for _, v in _history(client, run, "online_filter/groups_generated")]
+    flat = [v for _, v in _history(client, run, "online_filter/dropped_flat")]
+    assert all(g >= 2 + f for g, f in zip(generated, flat, strict=True)) and max(generated) > 2
