@@ -155,11 +155,16 @@ def test_flat_groups_are_dropped_and_refilled_from_new_prompts(tmp_path, tiny_mo
 
 @pytest.mark.slow
 def test_a_band_keeps_exactly_the_groups_whose_mean_lies_in_it(tmp_path, tiny_models):
-    """band_by_row: means 0.05, 0.3, 0.55, 0.8 by source_row % 4; the band (0.2, 0.6) keeps rows 1 and 2."""
+    """band_by_row: means 0.05, 0.3, 0.55, 0.8 by source_row % 4; the band (0.2, 0.6) keeps rows 1 and 2.
+    A generation batch of 2 groups serves 2 steps (steps_per_generation) twice (num_iterations): TRL then
+    keeps the old log-probabilities, merged with the rest."""
     trainer, batches, trained = _train(_cfg(
-        tmp_path, tiny_models["qwen2_5_vl"], BAND, "grpo.args.max_steps=2", "grpo.online_filter.key=overall",
-        "grpo.online_filter.low=0.2", "grpo.online_filter.high=0.6", "grpo.online_filter.max_extra_rounds=8"))
-    assert all(len(t) == 8 for t in trained)
+        tmp_path, tiny_models["qwen2_5_vl"], BAND, "grpo.args.max_steps=8", "grpo.online_filter.key=overall",
+        "grpo.online_filter.low=0.2", "grpo.online_filter.high=0.6", "grpo.online_filter.max_extra_rounds=8",
+        "grpo.args.per_device_train_batch_size=4", "grpo.args.steps_per_generation=2",
+        "grpo.args.num_iterations=2"))
+    assert len(batches) == 2 and all(len(t) == 8 for t in trained)
+    assert all(b["old_per_token_logps"].shape == b["completion_ids"].shape for b in batches)
     assert {_row(label) % 4 for t in trained for label in t} <= {1, 2}
     dropped = [lo + hi for lo, hi in zip(_logged(trainer, "online_filter/dropped_low"),
                                          _logged(trainer, "online_filter/dropped_high"), strict=True)]
