@@ -165,6 +165,7 @@ class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
             train_dataset = train_dataset.add_column(ROW_COLUMN, list(range(len(train_dataset))))
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
         self.online_filter, self.last_rewards = online_filter, None
+        self.groups_generated_total = 0  # over every process, this run (bench/online_filter.py's budget)
         self.key_column = reward_names.index(online_filter.key) if online_filter.key in reward_names else None
         batch, steps = self.args.per_device_train_batch_size, self.args.steps_per_generation
         if batch * steps % self.num_generations:
@@ -257,6 +258,7 @@ class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
                              device=self.accelerator.device)
         gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, len(COUNTS) + 1)
         totals = dict(zip(COUNTS, gathered[:, :-1].sum(0).tolist(), strict=True))
+        self.groups_generated_total += int(totals["groups_generated"])
         for key, value in totals.items():
             self._metrics["train"][f"online_filter/{key}"].append(value)
         self._metrics["train"]["online_filter/rounds"].append(float(extra_rounds))
