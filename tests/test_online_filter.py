@@ -291,3 +291,36 @@ def test_two_torchrun_processes_filter_their_own_groups(tmp_path, tiny_models):
                 if "online_filter/groups_kept" in (m := json.loads(line))]
     assert (logged["online_filter/groups_kept"], logged["online_filter/groups_short"]) == (2, 0)
     assert logged["online_filter/groups_generated"] >= 2 + logged["online_filter/dropped_flat"]
+
+
+def test_judging_and_merging_by_hand():
+    """The verdicts on literal rewards (unscored completions left out), and the merge of two rounds: each key
+    padded on its side, the token types cut at the prompt, an unknown key of another shape refused."""
+    import torch
+
+    from vlmexp.config.stages import OnlineFilterConfig
+    from vlmexp.train.online_filter import OnlineFilterError, join, judge
+
+    nan, weights = float("nan"), torch.tensor([1.0, 0.5])
+    rewards = torch.tensor([[1, 0], [1, 0], [0, 0], [1, 0], [nan, nan], [1, 0], [nan, nan], [nan, nan]])
+    assert judge(rewards, weights, 2, OnlineFilterConfig(), None) == [
+        ("flat", 0.0), ("kept", 0.0), ("flat", 0.0), ("flat", 0.0)]
+    band = OnlineFilterConfig(key="overall", low=0.2, high=0.8)
+    assert judge(rewards, weights, 2, band, None) == [
+        ("high", pytest.approx(0.2)), ("kept", 0.0), ("high", pytest.approx(0.2)), ("low", float("inf"))]
+    assert judge(rewards, weights, 2, OnlineFilterConfig(key="x", high=0.1), 1)[0] == ("kept", 0.0)
+
+    def part(prompt: int, completion: int, **extra):
+        return {"prompt_ids": torch.full((1, prompt), 7), "completion_ids": torch.full((1, completion), 8),
+                "completion_mask": torch.ones(1, completion, dtype=torch.long),
+                "mm_token_type_ids": torch.tensor([[1] * prompt + [0] * completion]),
+                "advantages": torch.ones(1), "num_images": [1], **extra}
+
+    merged = join([part(2, 3), part(4, 1)], pad_token_id=0)
+    assert merged["prompt_ids"].tolist() == [[0, 0, 7, 7], [7, 7, 7, 7]]
+    assert merged["completion_ids"].tolist() == [[8, 8, 8], [8, 0, 0]]
+    assert merged["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert merged["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    assert merged["num_images"] == [1, 1] and merged["advantages"].tolist() == [1.0, 1.0]
+    with pytest.raises(OnlineFilterError, match="'new_key' has shapes \\[\\[1, 2\\], \\[1, 3\\]\\]"):
+        join([part(2, 3, new_key=torch.zeros(1, 2)), part(2, 3, new_key=torch.zeros(1, 3))], pad_token_id=0)

@@ -79,9 +79,10 @@ def judge(rewards: torch.Tensor, weights: torch.Tensor, group: int, opts: Online
     overall = (rewards * weights.unsqueeze(0)).nansum(1)  # [rows], as TRL sums them
     overall[torch.isnan(rewards).all(1)] = torch.nan
     if opts.key == "std":
-        grouped = overall.view(-1, group)
-        spread = grouped.nan_to_num(0.0).amax(1) - grouped.nan_to_num(0.0).amin(1)
-        return [("flat", 0.0) if torch.isclose(s, torch.zeros_like(s)) else ("kept", 0.0) for s in spread]
+        grouped = overall.view(-1, group)  # unscored completions left out, as TRL's nanstd does
+        top, bottom = grouped.nan_to_num(-torch.inf).amax(1), grouped.nan_to_num(torch.inf).amin(1)
+        flat = torch.isclose(top, bottom) | torch.isnan(grouped).all(1)
+        return [("flat", 0.0) if f else ("kept", 0.0) for f in flat.tolist()]
     values = overall if column is None else rewards[:, column]
     out = []
     for mean in torch.nanmean(values.view(-1, group), 1).tolist():
