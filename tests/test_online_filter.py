@@ -22,6 +22,7 @@ from vlmexp.errors import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 ODD = "grpo.rewards=[{name: 'rewards_for_tests:odd_rows_vary'}]"  # even source rows: flat groups
 BAND = "grpo.rewards=[{name: 'rewards_for_tests:band_by_row'}]"  # group mean by source_row % 4
+MIXED = ["data.demo.width=[84,196]", "data.demo.height=[84,196]"]  # prompts of many lengths and grids
 STEPS = ["grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4",
          "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=8",
          "grpo.args.logging_steps=1", "grpo.args.warmup_steps=0", "grpo.args.learning_rate=0.01"]
@@ -101,7 +102,8 @@ def test_the_trl_shapes_the_filter_relies_on():
 def _cfg(out: Path, model: Path, *overrides: str):
     return load_config(REPO / "configs/demo.yaml", [
         f"run.output_dir={out}", f"model.path={model}", "tracking.backend=none", "sft.enabled=false",
-        "data.demo.train=12", "data.demo.val=2", "grpo.online_filter.enabled=true", *STEPS, *overrides])
+        "data.demo.train=12", "data.demo.val=2", *MIXED, "grpo.online_filter.enabled=true", *STEPS,
+        *overrides])
 
 
 def _train(cfg):
@@ -137,10 +139,13 @@ def _logged(trainer, name: str) -> list[float]:
 def test_flat_groups_are_dropped_and_refilled_from_new_prompts(tmp_path, tiny_models):
     """odd_rows_vary: even source rows score flat. Each step's 2 groups are refilled until both are odd rows,
     and the merged batch is whole: 8 rows, token counts recounted, a pixel row block per sample (the pairing
-    guard checks every micro-batch against its record)."""
+    guard checks every micro-batch against its record), images of several sizes."""
+    from vlmexp.train.grpo_pairing import EXPECTED
+
     trainer, batches, trained = _train(_cfg(tmp_path, tiny_models["qwen2_5_vl"], ODD, "grpo.args.max_steps=3",
                                             "grpo.online_filter.max_extra_rounds=8"))
     assert len(batches) == 3 and all(len(t) == 8 for t in trained)
+    assert len({tuple(layout.flatten().tolist()) for b in batches for _, _, layout, _ in b[EXPECTED]}) > 1
     assert all(_row(label) % 2 for t in trained for label in t)
     for batch in batches:
         assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
