@@ -88,3 +88,9 @@ def columns_seen(prompts, completions, **kwargs):
     with open(os.environ["VLMEXP_TEST_COLUMNS_FILE"], "a") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return [float(any(v is not None for k, v in row.items() if k not in REWARD_COLUMNS)) for row in rows]
+
+
+def band_by_row(prompts, completions, source_row, **kwargs):
+    """A group's mean set by its record: source_row % 4 gives 0.05, 0.3, 0.55 or 0.8, each group with a spread
+    (0 and 0.1 along the call, whose groups are consecutive), so every group has signal and a known mean."""
+    return [(row % 4) / 4 + 0.1 * (i % 2) for i, row in enumerate(source_row)]

@@ -1,6 +1,6 @@
 """The config sections of the training stages and what follows them: SFT, DPO (with its preference pairs) and
-GRPO (with its rewards and difficulty filter), LoRA, evaluation and export. Part of the pure schema (see
-`vlmexp.config.schema`, whose root `Config` holds these sections): pydantic only."""
+GRPO (with its rewards, difficulty filter and online filter), LoRA, evaluation and export. Part of the pure
+schema (see `vlmexp.config.schema`, whose root `Config` holds these sections): pydantic only."""
 
 from __future__ import annotations
 
@@ -127,6 +127,44 @@ class DifficultyFilterConfig(Section):
         return self
 
 
+class OnlineFilterConfig(Section):
+    """GRPO's dynamic sampling, online (DAPO; EasyR1's algorithm.online_filtering, verl's
+    algorithm.filter_groups): after each generation the prompt groups without signal, or whose mean lies
+    outside (low, high), are dropped and new prompts are generated until the batch holds as many groups as it
+    was given, at most `max_extra_rounds` more generations (`vlmexp.train.online_filter`)."""
+
+    enabled: bool = Field(False, description="Filter the groups of each generation batch during GRPO; off by "
+                                             "default.")
+    key: str = Field("std", description="What a group is judged by: std (dropped when every completion "
+                                        "scored the same overall reward), overall (the group's mean overall "
+                                        "weighted reward) or the name of one of grpo.rewards (that reward's "
+                                        "group mean; EasyR1's filter_key).")
+    low: float | None = Field(None, description="Keep a group only if its mean key is above this (EasyR1's "
+                                                "filter_low, exclusive). Not with key std.")
+    high: float | None = Field(None, description="Keep a group only if its mean key is below this (EasyR1's "
+                                                 "filter_high, exclusive). Not with key std.")
+    max_extra_rounds: int = Field(4, ge=0, description="Extra generation rounds per generation batch to "
+                                                       "refill the dropped groups; when they run out, the "
+                                                       "batch is filled with dropped groups that train "
+                                                       "nothing.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> OnlineFilterConfig:
+        bounds = self.low is not None or self.high is not None
+        if self.key == "std" and bounds:
+            raise ValueError(f"key std drops the groups whose rewards are all equal and has no bounds (low "
+                             f"{self.low}, high {self.high}): remove low/high, or set key to overall or a "
+                             "reward's name to keep the groups whose mean lies between them")
+        if self.key != "std" and not bounds:
+            raise ValueError(f"key {self.key!r} judges a group's mean against low/high and neither is set: "
+                             "set low and/or high (e.g. low: 0.01, high: 0.99 for a 0/1 accuracy), or use "
+                             "key std")
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high}): a group's mean must lie "
+                             "between them")
+        return self
+
+
 TOOL_NAMES = ("zoom",)  # the tools GRPO's rollouts may offer (vlmexp.tools)
 
 
@@ -168,6 +206,10 @@ class GRPOStageConfig(StageConfig):
     difficulty_filter: DifficultyFilterConfig = Field(
         default_factory=DifficultyFilterConfig, description="Drop the training prompts whose sampled rewards "
         "carry no signal before GRPO trains (dynamic sampling, offline); off by default.")
+    online_filter: OnlineFilterConfig = Field(
+        default_factory=OnlineFilterConfig, description="Drop the groups of each generation batch that carry "
+        "no signal (or lie outside a band) and refill from new prompts (dynamic sampling, online); off by "
+        "default.")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools the model may call in its "
                                "rollouts (multi-turn GRPO, e.g. zoom); none by default.")
 
@@ -180,6 +222,9 @@ class GRPOStageConfig(StageConfig):
         if self.difficulty_filter.reward not in ("overall", *names):
             raise ValueError(f"difficulty_filter.reward {self.difficulty_filter.reward!r} is not overall nor "
                              f"one of grpo.rewards {names}; name one of them")
+        if self.online_filter.key not in ("std", "overall", *names):
+            raise ValueError(f"online_filter.key {self.online_filter.key!r} is not std, overall nor one of "
+                             f"grpo.rewards {names}; name one of them")
         for name in ("tool", "zoom_target"):
             if name in names and not self.tools.names:
                 raise ValueError(f"the {name} reward scores completions that called a tool, and "

@@ -17,7 +17,9 @@ samples before training, with the start model and the same reward objects
 (`vlmexp.train.sampling.sample_and_score`, which DPO's pairs also sample through), keeps the prompts solved
 sometimes but not always, and hands GRPO the kept records; TRL trains unchanged. What it cannot do is follow
 the policy: a prompt that becomes too easy during training stays in (its groups then show as
-frac_reward_zero_std, which TRL keeps logging).
+frac_reward_zero_std, which TRL keeps logging). `grpo.online_filter` (vlmexp/train/online_filter.py) does the
+online version, merging TRL's outputs across rounds by an explicit padding table that a test holds against
+TRL's source.
 
 Kept: a prompt whose `num_samples` scores are not all equal and whose mean lies strictly between `low` and
 `high` (each bound optional). <grpo stage>/difficulty.json holds the counts and the kept rows (indices into

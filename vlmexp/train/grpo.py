@@ -55,11 +55,17 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     left_pad(inputs.processor)  # any number of prompts and image sizes per generation batch (grpo_pairing.py)
     if cfg.grpo.tools.names:  # the family's tool template and response parser (vlmexp.families)
         inputs.family.use_tools(inputs.processor)
-    trainer = GuardedGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
-                                 processing_class=inputs.processor, peft_config=peft_config,
-                                 callbacks=list(callbacks), family=inputs.family, budget=inputs.budget,
-                                 environment_factory=environment_factory(cfg.grpo.tools, inputs.family,
-                                                                         inputs.budget))
+    trainer_class, extra = GuardedGRPOTrainer, {}
+    if cfg.grpo.online_filter.enabled:  # dynamic sampling, online (vlmexp/train/online_filter.py)
+        from vlmexp.train.online_filter import OnlineFilterGRPOTrainer
+
+        trainer_class = OnlineFilterGRPOTrainer
+        extra = {"online_filter": cfg.grpo.online_filter, "reward_names": [r.name for r in specs]}
+    trainer = trainer_class(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
+                            processing_class=inputs.processor, peft_config=peft_config,
+                            callbacks=list(callbacks), family=inputs.family, budget=inputs.budget,
+                            environment_factory=environment_factory(cfg.grpo.tools, inputs.family,
+                                                                    inputs.budget), **extra)
     # TRL's rollouts as every stage generates; the compile count first among the callbacks, so the logs that
     # MLflow's callback and the caller's callbacks see carry it
     settings = resolve(cfg.generation, trainer.accelerator.device.type)
