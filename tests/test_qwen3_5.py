@@ -94,6 +94,24 @@ def test_sft_trains_after_the_generation_prompt_on_what_the_rewards_parse(tiny_m
     assert metrics["format_rate"] == 1.0 and metrics["rec_mean_iou"] > 0.9, (metrics, completions)
 
 
+def test_a_qwen35_template_that_closes_the_think_block_is_refused_naming_the_fix(tiny_models):
+    """TRL's no-think templates become their think twins (the training variant too); another template whose
+    generation prompt closes the think block cannot be fitted and is refused, naming the template to use."""
+    from importlib.resources import files
+
+    from vlmexp.processor import load_processor
+
+    family = get_family("qwen3_5")
+    processor = load_processor(tiny_models["qwen3_5"], family)
+    templates = files("trl") / "chat_templates"
+    processor.chat_template = (templates / "qwen3_5_nothink_training.jinja").read_text()
+    family.fit_chat_template(processor)
+    assert processor.chat_template == (templates / "qwen3_5_think_training.jinja").read_text()
+    processor.chat_template = "\n" + (templates / "qwen3_5_nothink.jinja").read_text()  # not TRL's bytes
+    with pytest.raises(ValueError, match=r"qwen3_5: .*<think>\\n\\n</think>\\n\\n'.*qwen3_5_think\.jinja"):
+        family.fit_chat_template(processor)
+
+
 def test_tool_calls_render_and_parse_in_qwen35s_own_format(tiny_models):
     from trl.chat_template_utils import parse_response
 
@@ -473,7 +491,10 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
 
     def script(model, processor, family, budget):
         box = frame_box(family, budget)
-        turns = ScriptedTurns(processor.tokenizer, {"zoom": [call(box, family.name), "<answer>red</answer>"]},
+        # each turn starts inside the think block the generation prompt opened, and closes it first
+        closed = "I look closer.\n</think>\n\n"
+        turns = ScriptedTurns(processor.tokenizer,
+                              {"zoom": [closed + call(box, family.name), closed + "<answer>red</answer>"]},
                               header)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.register_forward_hook(turns.hook, with_kwargs=True)
