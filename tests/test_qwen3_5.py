@@ -485,14 +485,14 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
     records = write_records(tmp_path / "data", ["zoom", "zoom"], bbox=True)
     cfg = tool_cfg(tmp_path / "out", model_dir, records, "grpo.args.max_steps=1",
                    "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
-                   "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=120",
+                   "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=160",
                    "model.min_pixels=4096", "eval.max_new_tokens=160")
     header = "<|im_start|>assistant\n<think>\n"  # the generation prompt (the think template's)
 
     def script(model, processor, family, budget):
         box = frame_box(family, budget)
         # each turn starts inside the think block the generation prompt opened, and closes it first
-        closed = "I look closer.\n</think>\n\n"
+        closed = "</think>\n\n"
         turns = ScriptedTurns(processor.tokenizer,
                               {"zoom": [closed + call(box, family.name), closed + "<answer>red</answer>"]},
                               header)
