@@ -14,6 +14,7 @@ import pytest
 from conftest import SMALL_BATCHES
 
 from vlmexp.checks.loader import load_config
+from vlmexp.families import FAMILIES as FAMILY_TABLE
 from vlmexp.families import detect_family, get_family
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,8 @@ def test_detection_processor_image_tokens_and_frame(tiny_models, tmp_path, name)
     text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
                                                                                        "text": "x"}]}],
                                     tokenize=False, add_generation_prompt=True)
-    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3.5-2B's nothink template
+    # Qwen3.5-2B's no-think template, loaded as its think twin: the prompt opens the block SFT's targets fill
+    assert text.endswith("<|im_start|>assistant\n<think>\n")
     image_id = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for width, height in SIZES:
         out = proc(text=[text], images=[Image.new("RGB", (width, height))], return_tensors="pt")
@@ -50,6 +52,64 @@ def test_detection_processor_image_tokens_and_frame(tiny_models, tmp_path, name)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: Qwen/Qwen3.5-4B, family: {name}}}\ndata:\n  demo: {{train: 4, val: 2}}\n")
     assert load_config(cfg).model.family == name
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TABLE))
+def test_sft_trains_after_the_generation_prompt_on_what_the_rewards_parse(tiny_models, tmp_path, name):
+    """SFT's rows of the demo recipe, collated as TRL's SFTTrainer collates them: the tokens without a label
+    are exactly the prompt generation renders (images expanded), and the labelled tokens decode, as
+    generation decodes a completion, to a text evaluation's rewards score in full (format 1, the target's own
+    box). Qwen3.5's no-think template broke both: SFT trained after `<think>\n`, generation prompted after
+    `<think>\n\n</think>\n\n`, and no completion there could hold the think block the format asks for."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from vlmexp.data.record import read_sampled
+    from vlmexp.data.run_data import prepare_data
+    from vlmexp.generation import with_image_parts
+    from vlmexp.processor import load_processor, prefills_think
+    from vlmexp.scoring import score_records
+    from vlmexp.train.data import build_dataset
+
+    family = get_family(name)
+    cfg = load_config(REPO / "configs/demo.yaml", [
+        f"run.output_dir={tmp_path}", f"model.path={tiny_models[name]}", "tracking.backend=none",
+        "data.demo.train=3", "data.demo.val=1", "data.demo.annotator_loose=0", "data.demo.annotator_jitter=0",
+        "model.min_pixels=null", "model.max_pixels=null"])  # exact boxes: SFT targets the solution
+    processor = load_processor(tiny_models[name], family)
+    budget = family.image_budget(processor)
+    train = prepare_data(cfg).train
+    rows = build_dataset(train, cfg.data, family, budget, "sft")
+    collator = DataCollatorForVisionLanguageModeling(processor, completion_only_loss=True)
+    completions = []
+    for row in rows:
+        batch = collator([dict(row)])
+        ids, labels = batch["input_ids"][0], batch["labels"][0]
+        prompt = processor.apply_chat_template(with_image_parts(row["prompt"], len(row["images"])),
+                                               tokenize=False, add_generation_prompt=True)
+        expected = processor(text=[prompt], images=row["images"], return_tensors="pt")["input_ids"][0]
+        assert ids[labels == -100].tolist() == expected.tolist(), processor.tokenizer.decode(ids)
+        completions.append(processor.tokenizer.decode(ids[labels != -100], skip_special_tokens=True))
+    metrics, _ = score_records(read_sampled(train), completions, family.box_frame, budget, cfg.grpo.rewards,
+                               prefills_think(processor))
+    assert metrics["format_rate"] == 1.0 and metrics["rec_mean_iou"] > 0.9, (metrics, completions)
+
+
+def test_a_qwen35_template_that_closes_the_think_block_is_refused_naming_the_fix(tiny_models):
+    """TRL's no-think templates become their think twins (the training variant too); another template whose
+    generation prompt closes the think block cannot be fitted and is refused, naming the template to use."""
+    from importlib.resources import files
+
+    from vlmexp.processor import load_processor
+
+    family = get_family("qwen3_5")
+    processor = load_processor(tiny_models["qwen3_5"], family)
+    templates = files("trl") / "chat_templates"
+    processor.chat_template = (templates / "qwen3_5_nothink_training.jinja").read_text()
+    family.fit_chat_template(processor)
+    assert processor.chat_template == (templates / "qwen3_5_think_training.jinja").read_text()
+    processor.chat_template = "\n" + (templates / "qwen3_5_nothink.jinja").read_text()  # not TRL's bytes
+    with pytest.raises(ValueError, match=r"qwen3_5: .*<think>\\n\\n</think>\\n\\n'.*qwen3_5_think\.jinja"):
+        family.fit_chat_template(processor)
 
 
 def test_tool_calls_render_and_parse_in_qwen35s_own_format(tiny_models):
@@ -425,13 +485,16 @@ def test_zoom_in_qwen35s_call_format_the_loss_sees_the_crop_and_evaluation_with_
     records = write_records(tmp_path / "data", ["zoom", "zoom"], bbox=True)
     cfg = tool_cfg(tmp_path / "out", model_dir, records, "grpo.args.max_steps=1",
                    "grpo.args.per_device_train_batch_size=4", "grpo.args.num_generations=2",
-                   "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=120",
+                   "grpo.args.gradient_accumulation_steps=1", "grpo.args.max_completion_length=160",
                    "model.min_pixels=4096", "eval.max_new_tokens=160")
-    header = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the no-think template's generation prompt
+    header = "<|im_start|>assistant\n<think>\n"  # the generation prompt (the think template's)
 
     def script(model, processor, family, budget):
         box = frame_box(family, budget)
-        turns = ScriptedTurns(processor.tokenizer, {"zoom": [call(box, family.name), "<answer>red</answer>"]},
+        # each turn starts inside the think block the generation prompt opened, and closes it first
+        closed = "</think>\n\n"
+        turns = ScriptedTurns(processor.tokenizer,
+                              {"zoom": [closed + call(box, family.name), closed + "<answer>red</answer>"]},
                               header)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.register_forward_hook(turns.hook, with_kwargs=True)

@@ -19,9 +19,9 @@ IMAGE_PART = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               # expanded by the processor to <img> + tiles x 256 x <IMG_CONTEXT> + </img>
               "internvl": "<IMG_CONTEXT>\n"}
 # the assistant's turn as the generation prompt opens it: Qwen3.5's no-think template (what its small
-# checkpoints ship) writes the empty thinking block the model then answers after
-GENERATION_PROMPT = {"qwen3_5": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
-                     "qwen3_5_moe": "<|im_start|>assistant\n<think>\n\n</think>\n\n"}
+# checkpoints ship) is loaded as its think twin (Family.fit_chat_template), which opens the thinking block
+GENERATION_PROMPT = {"qwen3_5": "<|im_start|>assistant\n<think>\n",
+                     "qwen3_5_moe": "<|im_start|>assistant\n<think>\n"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -32,8 +32,8 @@ class ScriptedTurns:
     `register_forward_hook(..., with_kwargs=True)`."""
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]], header: str = "<|im_start|>assistant\n"):
-        """`header`: what the chat template's generation prompt opens a turn with (Qwen3.5's no-think template
-        adds an empty think block)."""
+        """`header`: what the chat template's generation prompt opens a turn with (Qwen3.5's opens the think
+        block)."""
         self.tokenizer, self.scripts = tokenizer, scripts
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.header = tokenizer.encode(header)

@@ -24,8 +24,8 @@ def has_torchvision() -> bool:
 def load_processor(model_path: str | Path, family: Family, knobs: dict[str, int | None] | None = None,
                    trust_remote_code: bool = False):
     """The processor saved with a checkpoint, with the image budget `knobs` (model.min_pixels, max_patches,
-    ...: `ModelConfig.image_knobs`) applied; a knob the family does not read is refused (ValueError with the
-    fix)."""
+    ...: `ModelConfig.image_knobs`) applied and its chat template fitted to SFT's targets
+    (`Family.fit_chat_template`); a knob the family does not read is refused (ValueError with the fix)."""
     given = family.check_budget_knobs(knobs or {})
     if has_torchvision():
         from transformers import AutoProcessor
@@ -34,6 +34,7 @@ def load_processor(model_path: str | Path, family: Family, knobs: dict[str, int 
     else:
         processor = family.images_only_processor().from_pretrained(str(model_path))
     family.set_image_budget(processor, given)
+    family.fit_chat_template(processor)
     _no_saved_truncation(processor)
     return processor
 

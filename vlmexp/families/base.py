@@ -39,6 +39,12 @@ class Family:
         """The family's original chat template (the embedded model ships it)."""
         raise NotImplementedError
 
+    def fit_chat_template(self, processor) -> None:
+        """Make the loaded processor's generation prompt the prompt SFT's rendered targets follow (TRL's SFT
+        takes as prompt the common prefix of the generation prompt and the rendered prompt + target); nothing
+        to do for a template that renders an assistant turn as written. ValueError with the fix for a template
+        it cannot fit."""
+
     # ---- tools in GRPO's rollouts (grpo.tools; vlmexp.tools) ----------------------------------------------
     # why this family's models cannot call tools in GRPO's rollouts ("" where they can): `vlmexp validate`
     # refuses grpo.tools for it with this reason

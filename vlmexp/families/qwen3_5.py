@@ -11,6 +11,11 @@ layout they share):
   `<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>` and read back with TRL's
   Qwen3.5 response template (`qwen3_5_template`, the new-style form of `qwen3_5_schema`, the pair
   `trl.chat_template_utils.add_response_schema` sets for these templates).
+- Thinking on, always: the no-thinking template (`qwen3_5_nothink.jinja`) closes an empty think block in its
+  generation prompt (`<think>\\n\\n</think>\\n\\n`) but renders an SFT target's `<think>...</think>` in that
+  block, so TRL's SFT trained each answer after `<think>\\n` while generation prompted after the closed block,
+  and a completion could never hold the think block the format reward asks for (`fit_chat_template` swaps in
+  the think variant, byte for byte TRL's, so TRL still knows it).
 - The forward with images needs `mm_token_type_ids` (the processor returns it; vlmexp passes it on).
 - Boxes: the 0-1000 grid of the original image, as Qwen3-VL's: Qwen's grounding examples
   (QwenLM/Qwen3-VL `cookbooks/spatial_understanding.ipynb`) answer `bbox_2d` on a 0-1000 scale, and Qwen3.5
@@ -49,6 +54,30 @@ class Qwen35Family(QwenVLFamily):
         from trl.chat_template_utils import qwen3_5_template
 
         processor.tokenizer.response_template = qwen3_5_template
+
+    def fit_chat_template(self, processor) -> None:
+        """Qwen3.5's no-thinking templates (TRL's `qwen3_5_nothink*.jinja`, which Qwen3.5-2B and smaller ship)
+        -> their thinking twins, which differ only in the generation prompt: it opens the think block, as
+        the rendered SFT target does (`<think>\\nreasoning\\n</think>\\n\\nanswer`), so SFT's prompt is
+        generation's and completions start inside the block (`vlmexp.processor.prefills_think`). Another
+        template whose generation prompt closes the block is refused, naming the fix."""
+        from importlib.resources import files
+
+        templates = files("trl") / "chat_templates"
+        for owner in (processor, processor.tokenizer):
+            for variant in ("", "_training"):
+                if owner.chat_template == (templates / f"qwen3_5_nothink{variant}.jinja").read_text():
+                    owner.chat_template = (templates / f"qwen3_5_think{variant}.jinja").read_text()
+        prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                               tokenize=False, add_generation_prompt=True)
+        if not prompt.endswith("<think>\n"):
+            raise ValueError(
+                f"{self.name}: the chat template's generation prompt ends {prompt[-24:]!r}, not inside an "
+                "open think block ('<think>\\n'): Qwen3.5's template renders an SFT target's "
+                "<think>...</think> there, so SFT would train on another prompt than generation's and no "
+                "completion could hold the think block the format reward asks for; give the checkpoint "
+                "Qwen3.5's thinking template (trl/chat_templates/qwen3_5_think.jinja) as its "
+                "chat_template.jinja")
 
     def tiny_image_processor(self, spec):
         import transformers
