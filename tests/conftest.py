@@ -87,7 +87,7 @@ MODULE_SECONDS = {
     "test_shapes": 34, "test_pictures": 33, "test_grpo_mixed_sizes": 30, "test_generation": 29,
     "test_difficulty": 23, "test_safety": 18, "test_internvl": 14, "test_pipeline_lib": 14,
     "test_hold": 45, "test_source_columns": 13, "test_config": 11, "test_fuzz_inputs": 10, "test_zoom": 75,
-    "test_zoom_parts": 5, "test_tool_data": 80, "test_zoom_demo": 150, "test_qwen3_5": 110,
+    "test_zoom_parts": 5, "test_tool_data": 80, "test_zoom_demo": 150, "test_qwen3_5": 125,
     "test_qwen3_5_runs": 320, "test_online_filter": 240,
 }
 
