@@ -1,7 +1,7 @@
 """Qwen3.5-MoE's runs beyond one process and one stage: SFT SIGKILLed and resumed, 2 processes under
 torchrun with the expert counts summed over the ranks, DPO with LoRA on the fused experts exported merged,
 evaluated and registered; and Qwen3-VL's MoE sibling (`qwen3_vl_moe`), whose fused experts take LoRA as
-Qwen3.5-MoE's do. (The dense model under Ray: tests/test_ray.py; the stages on one process:
+Qwen3.5-MoE's do. (The MoE under Ray: tests/test_ray.py; the stages on one process:
 tests/test_qwen3_5.py.)"""
 
 from __future__ import annotations

@@ -193,8 +193,9 @@ def test_a_lost_node_resumes_and_each_stop_signal_leaves_nothing_on_the_cluster(
 def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path, run_inputs, tiny_models):
     """launch.ray.runtime_env {working_dir: JOB}, for nodes that lack the code: Ray uploads JOB, and each
     worker runs in its unpacked copy (not the driver's folder) and imports a reward module found only there;
-    GRPO completes a step with it, on the tiny Qwen3.5 (Ray's only run of that family; Qwen2.5-VL runs on the
-    cluster in the other tests). No launch.ray.address: the driver takes RAY_ADDRESS, as Ray's tools do
+    GRPO completes a step with it, on the tiny Qwen3.5-MoE (Ray's only run of Qwen3.5: the MoE has every layer
+    kind of the dense model, linear and full attention, plus the fused experts; Qwen2.5-VL runs on the cluster
+    in the other tests). No launch.ray.address: the driver takes RAY_ADDRESS, as Ray's tools do
     (a verl or EasyR1 job script sets it and nothing else), and records it in run.json and the run's tags."""
     from vlmexp.ray_cluster import run_tags
 
@@ -209,7 +210,7 @@ def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path
     r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "grpo", "--config", QWEN3_5,
                         f"run.output_dir={out}", *STEPS, "grpo.args.max_steps=1", "tracking.backend=none",
                         "grpo.rewards=[{name: 'job_rewards:where'}]", *on_ray(None, runtime_env=carried),
-                        *run_inputs(out), f"model.path={tiny_models['qwen3_5']}"], cwd=job,
+                        *run_inputs(out), f"model.path={tiny_models['qwen3_5_moe']}"], cwd=job,
                        capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": cluster.gcs})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -221,7 +222,7 @@ def test_a_runtime_env_working_dir_carries_code_to_the_workers(cluster, tmp_path
     assert (tags["ray.cluster"], tags["ray.address_from"]) == (cluster.gcs, "RAY_ADDRESS"), tags
     places = set(where.read_text().split())
     assert places and all("working_dir_files" in p and Path(p) != job for p in places), places
-    assert json.loads((out / "grpo" / "final" / "config.json").read_text())["model_type"] == "qwen3_5"
+    assert json.loads((out / "grpo" / "final" / "config.json").read_text())["model_type"] == "qwen3_5_moe"
 
 
 @pytest.mark.slow
