@@ -6,8 +6,9 @@ and of the tracking, each in a fresh process, with the packages whose own import
 Every stage the pipeline or a test starts is such a process (and each torchrun rank, each Ray worker), so
 this is the floor under every slow test and every stage. Per statement: the wall seconds and the CPU seconds
 (user + system, what the process cost the machine whatever else ran) of `python -c STATEMENT`, the median of
-`--runs`; then, from one `python -X importtime` run, the top-level packages by the time spent in their own
-modules (self time, summed). Results: bench/RESULTS.md, "What a process start costs".
+`--runs`; then, from one `python -X importtime` run of TRL's trainers' import (what a stage imports once it
+trains), the top-level packages by the time spent in their own modules (self time, summed). Results:
+bench/RESULTS.md, "What a process start costs".
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ def main() -> None:
                        "cpu_s": round(statistics.median(r[1] for r in runs), 2)}
         row = rows[label]
         print(f"{label:32s} wall {row['wall_s']:6.2f} s  cpu {row['cpu_s']:6.2f} s", flush=True)
-    packages = own_time_by_package(STATEMENTS["a stage (vlmexp.train.grpo)"])
+    packages = own_time_by_package(STATEMENTS["trl trainers"])  # what a stage imports once it trains
     top = dict(sorted(packages.items(), key=lambda kv: -kv[1])[:args.top])
-    print("a stage's imports, own time by package:", ", ".join(f"{k} {v:.2f} s" for k, v in top.items()))
+    print("TRL's trainers' imports, own time by package:",
+          ", ".join(f"{k} {v:.2f} s" for k, v in top.items()))
     result = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "runs": args.runs,
-              "statements": rows, "stage_own_time_by_package_s": {k: round(v, 2) for k, v in top.items()}}
+              "statements": rows, "trainers_own_time_by_package_s": {k: round(v, 2) for k, v in top.items()}}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
