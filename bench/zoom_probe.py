@@ -2,18 +2,22 @@
 recipe from that model, evaluated on the same held-out records and compared with SFT record by record.
 
     .venv/bin/python bench/zoom_probe.py sft --dir D --seed 42 [k=v ...]
-    .venv/bin/python bench/zoom_probe.py grpo --dir D --name N --out F.json [k=v ...]
+    .venv/bin/python bench/zoom_probe.py grpo --dir D --name N --out F.json [--trained E.json] [k=v ...]
     .venv/bin/python bench/zoom_probe.py placed --val D/work/<zoom data>/val.jsonl R.json [R.json ...]
 
 `sft` trains SFT with the config and overrides in D/work (kept: its model, sampled data and evaluation) and
 writes D/sft.json (overrides, seconds, metrics). `grpo` loads the same config with sft.json's overrides and
 its own (GRPO's recipe: grpo.* keys), trains GRPO from D's SFT model in D/<name>, evaluates it, and writes
 F.json: both models' metrics, GRPO - SFT with the tool and without (paired SE over the held-out records, as
-bench/demo_matrix.py computes them), the seconds of each phase and the load average. Tracking is off; the CPU
-arithmetic and the threads are the caller's (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS), recorded in the JSON.
-Each evaluation also writes <F or D/sft>-records.json: per held-out record the score without and with the tool
-and the zooms. `placed` reads those: how far each model's first zoom's centre lies from its record's target's
-centre, and from another record's (the records shuffled): a zoom placed from the image is nearer its own.
+bench/demo_matrix.py computes them), the seconds of each phase and the load average. With data.zoom_demo.val
+other than SFT's run, both models are evaluated on those held-out records (the training records are the same:
+they are drawn first); `--trained E.json` evaluates D/<name>'s model again without training it. Tracking is
+off; the CPU arithmetic and the threads are the caller's (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS), recorded in
+the JSON. Each evaluation also writes <F or D/sft>-records.json: per held-out record the score without and
+with the tool and the zooms. `placed` reads those: how far each model's first zoom's centre lies from its
+record's target's centre, and from another record's (the records shuffled): a zoom placed from the image is
+nearer its own; and how many first zooms hold their target whole, in part or not at all, with the tool's
+accuracy in each.
 """
 
 from __future__ import annotations
@@ -65,10 +69,25 @@ def placed(val: Path, results: list[str]) -> None:
         pairs = [(centre(z[0]), centre(b)) for z, b in zip(zooms, boxes, strict=True) if z]
         return sum(((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2) ** 0.5 for a, b in pairs) / len(pairs)
 
+    def held(zoom: list, box: list[float]) -> float:
+        """The share of the target's area inside the zoom."""
+        if not zoom:
+            return 0.0
+        z = zoom[0]
+        inside = max(0, min(z[2], box[2]) - max(z[0], box[0])) * max(0, min(z[3], box[3]) - max(z[1], box[1]))
+        return inside / ((box[2] - box[0]) * (box[3] - box[1]))
+
     for path in results:
-        zooms = [row[2] for row in json.loads(Path(path).read_text())["records"]]
+        rows = json.loads(Path(path).read_text())["records"]
+        zooms = [row[2] for row in rows]
+        kinds = {"whole": [], "part": [], "missed": []}
+        for row, box in zip(rows, targets, strict=True):
+            share = held(row[2], box)
+            kinds["whole" if share >= 1 else "part" if share > 0 else "missed"].append(row[1])
+        shares = ", ".join(f"{kind} {len(scores)} (tool {sum(scores) / max(1, len(scores)):.3f})"
+                           for kind, scores in kinds.items())
         print(f"{Path(path).name}: own {mean_distance(zooms, targets):.1f} px, "
-              f"shuffled {mean_distance(zooms, shuffled):.1f} px")
+              f"shuffled {mean_distance(zooms, shuffled):.1f} px; first zooms: {shares}")
 
 
 def environment() -> dict:
@@ -107,7 +126,9 @@ def run_sft_once(args: argparse.Namespace) -> None:
 
 def run_grpo_variant(args: argparse.Namespace) -> None:
     from vlmexp.checks.loader import load_config
+    from vlmexp.data.run_data import prepare_data
     from vlmexp.evaluate import evaluate
+    from vlmexp.files import read_jsonl
     from vlmexp.train.grpo import run_grpo
 
     sft = json.loads((args.dir / "sft.json").read_text())
@@ -116,10 +137,23 @@ def run_grpo_variant(args: argparse.Namespace) -> None:
                                              f"run.seed={sft['seed']}", *sft["overrides"], *args.overrides])
     load_before = os.getloadavg()
     clock = time.monotonic()
-    model = run_grpo(cfg, sft["model"])
-    grpo_s = round(time.monotonic() - clock, 1)
-    result = evaluate(cfg, str(model), sft["val"], work / "eval" / "grpo")
-    before, after = scores_of(args.dir / "work" / "eval" / "sft"), scores_of(work / "eval" / "grpo")
+    if args.trained:  # D/<name>'s GRPO model evaluated again (other held-out records); its training's seconds
+        model, grpo_s = work / "grpo" / "final", json.loads(args.trained.read_text())["grpo_s"]
+        clock -= grpo_s
+    else:
+        model = run_grpo(cfg, sft["model"])
+        grpo_s = round(time.monotonic() - clock, 1)
+    val = str(prepare_data(cfg, reuse=True).val)
+    result = evaluate(cfg, str(model), val, work / "eval" / "grpo")
+    sft_eval = args.dir / "work" / "eval" / "sft"
+    if val != sft["val"]:  # held-out records other than SFT's run evaluated (data.zoom_demo.val): SFT on them
+        sft_eval = args.dir / "work" / "eval" / f"sft-val{len(read_jsonl(val))}"  # D's SFT data, more records
+        if not (sft_eval / "metrics.json").exists():
+            sft["metrics"] = evaluate(cfg, sft["model"], val, sft_eval).metrics
+        else:
+            sft["metrics"] = {k: v for k, v in json.loads((sft_eval / "metrics.json").read_text()).items()
+                              if k != "model"}
+    before, after = scores_of(sft_eval), scores_of(work / "eval" / "grpo")
     kept = ("config", "seed", "overrides", "sft_s", "commit")
     record = {"name": args.name, "sft": {k: sft[k] for k in kept},
               "grpo_overrides": args.overrides, "grpo_s": grpo_s,
@@ -146,6 +180,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--name", default="grpo", help="grpo: the recipe's folder under --dir")
     parser.add_argument("--out", type=Path, default=None, help="grpo: the JSON to write")
+    parser.add_argument("--trained", type=Path, default=None,
+                        help="grpo: D/<name> is trained already, this is its JSON: evaluate only")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_intermixed_args()
     if args.stage == "placed":

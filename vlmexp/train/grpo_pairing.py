@@ -59,6 +59,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from trl import GRPOTrainer
 
@@ -163,11 +164,12 @@ class GuardedGRPOTrainer(GRPOTrainer):
         prompt apart without `return_tensors` and merges `pixel_values` and `image_grid_thw` as lists; its
         tool loop then reads `image_grid_thw.prod(-1)` where a turn called a tool that returned no image (a
         malformed call, a box outside the image) and fails ("'list' object has no attribute 'prod'"). As
-        tensors, they are what the batched call without environments gives."""
+        tensors, they are what the batched call without environments gives (one array first: torch reads a
+        list of arrays element by element, 0.75 s for a batch of 2,048 patch rows against 0.02 s)."""
         prompt_ids, images, fields = super()._tokenize_prompts(prompts)
         for key in IMAGE_FIELDS:
             if isinstance(fields.get(key), list):
-                fields[key] = torch.as_tensor(fields[key])
+                fields[key] = torch.as_tensor(np.asarray(fields[key]))
         return prompt_ids, images, fields
 
     def _generate_and_score_completions(self, inputs):
