@@ -16,8 +16,8 @@ off; the CPU arithmetic and the threads are the caller's (ATEN_CPU_CAPABILITY, O
 the JSON. Each evaluation also writes <F or D/sft>-records.json: per held-out record the score without and
 with the tool and the zooms. `placed` reads those: how far each model's first zoom's centre lies from its
 record's target's centre, and from another record's (the records shuffled): a zoom placed from the image is
-nearer its own; and how many first zooms hold their target whole, in part or not at all, with the tool's
-accuracy in each.
+nearer its own; how many first zooms hold their target whole, in part or not at all, with the tool's accuracy
+in each; and the whole-hold's change from the first file's, record by record (paired SE).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def placed(val: Path, results: list[str]) -> None:
         inside = max(0, min(z[2], box[2]) - max(z[0], box[0])) * max(0, min(z[3], box[3]) - max(z[1], box[1]))
         return inside / ((box[2] - box[0]) * (box[3] - box[1]))
 
+    first = None
     for path in results:
         rows = json.loads(Path(path).read_text())["records"]
         zooms = [row[2] for row in rows]
@@ -86,8 +87,15 @@ def placed(val: Path, results: list[str]) -> None:
             kinds["whole" if share >= 1 else "part" if share > 0 else "missed"].append(row[1])
         shares = ", ".join(f"{kind} {len(scores)} (tool {sum(scores) / max(1, len(scores)):.3f})"
                            for kind, scores in kinds.items())
+        whole = [float(held(row[2], box) >= 1) for row, box in zip(rows, targets, strict=True)]
+        change = ""
+        if first is None:
+            first = whole
+        else:  # the hold against the first file's, record by record
+            moved = paired(first, whole)
+            change = f"; whole against the first: {moved['gain']:+.3f} (paired SE {moved['se']:.3f})"
         print(f"{Path(path).name}: own {mean_distance(zooms, targets):.1f} px, "
-              f"shuffled {mean_distance(zooms, shuffled):.1f} px; first zooms: {shares}")
+              f"shuffled {mean_distance(zooms, shuffled):.1f} px; first zooms: {shares}{change}")
 
 
 def environment() -> dict:
