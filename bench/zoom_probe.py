@@ -58,6 +58,7 @@ def placed(val: Path, results: list[str]) -> None:
     import random
 
     from vlmexp.files import read_jsonl
+    from vlmexp.rewards import _inside  # the share of a target inside a crop, as zoom_target pays it
 
     targets = [row["bbox"] for row in read_jsonl(val)]
     shuffled = random.Random(0).sample(targets, len(targets))
@@ -69,25 +70,17 @@ def placed(val: Path, results: list[str]) -> None:
         pairs = [(centre(z[0]), centre(b)) for z, b in zip(zooms, boxes, strict=True) if z]
         return sum(((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2) ** 0.5 for a, b in pairs) / len(pairs)
 
-    def held(zoom: list, box: list[float]) -> float:
-        """The share of the target's area inside the zoom."""
-        if not zoom:
-            return 0.0
-        z = zoom[0]
-        inside = max(0, min(z[2], box[2]) - max(z[0], box[0])) * max(0, min(z[3], box[3]) - max(z[1], box[1]))
-        return inside / ((box[2] - box[0]) * (box[3] - box[1]))
-
     first = None
     for path in results:
         rows = json.loads(Path(path).read_text())["records"]
         zooms = [row[2] for row in rows]
+        held = [_inside(row[2][0], box) if row[2] else 0.0 for row, box in zip(rows, targets, strict=True)]
         kinds = {"whole": [], "part": [], "missed": []}
-        for row, box in zip(rows, targets, strict=True):
-            share = held(row[2], box)
+        for row, share in zip(rows, held, strict=True):
             kinds["whole" if share >= 1 else "part" if share > 0 else "missed"].append(row[1])
         shares = ", ".join(f"{kind} {len(scores)} (tool {sum(scores) / max(1, len(scores)):.3f})"
                            for kind, scores in kinds.items())
-        whole = [float(held(row[2], box) >= 1) for row, box in zip(rows, targets, strict=True)]
+        whole = [float(share >= 1) for share in held]
         change = ""
         if first is None:
             first = whole
