@@ -81,7 +81,7 @@ def pytest_make_collect_report(collector):
 MODULE_SECONDS = {
     "test_ray": 540, "test_bench": 528, "test_faults": 500, "test_stop_pipeline": 490,
     "test_stage_deployments": 366, "test_demo_learns": 254, "test_prefect_automations": 238, "test_cli": 235,
-    "test_validation": 192, "test_flow": 170, "test_spool": 150, "test_launch": 96, "test_dpo": 77,
+    "test_validation": 110, "test_flow": 170, "test_spool": 150, "test_launch": 96, "test_dpo": 77,
     "test_model_rewards": 120, "test_stop": 63,
     "test_train": 63, "test_train_modes": 43, "test_mlflow_ui": 41, "test_hostile_inputs": 39,
     "test_shapes": 34, "test_pictures": 33, "test_grpo_mixed_sizes": 30, "test_generation": 29,

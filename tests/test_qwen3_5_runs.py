@@ -1,7 +1,7 @@
 """Qwen3.5-MoE's runs beyond one process and one stage: SFT SIGKILLed and resumed, 2 processes under
-torchrun with the expert counts summed over the ranks, DPO with LoRA on the fused experts exported merged,
-evaluated and registered; and Qwen3-VL's MoE sibling (`qwen3_vl_moe`), whose fused experts take LoRA as
-Qwen3.5-MoE's do. (The MoE under Ray: tests/test_ray.py; the stages on one process:
+torchrun validating on the main one with the expert counts summed over the ranks, DPO with LoRA on the fused
+experts exported merged, evaluated and registered; and Qwen3-VL's MoE sibling (`qwen3_vl_moe`), whose fused
+experts take LoRA as Qwen3.5-MoE's do. (The MoE under Ray: tests/test_ray.py; the stages on one process:
 tests/test_qwen3_5.py.)"""
 
 from __future__ import annotations
@@ -52,10 +52,16 @@ def test_moe_sft_killed_then_resumed_matches_an_uninterrupted_run(tiny_models, t
                 "sft.args.logging_steps=1", "sft.args.per_device_train_batch_size=4", "grpo.enabled=false"]
 
     config = str(REPO / "configs/demo_qwen3_5.yaml")
-    straight = run_sft(load_config(config, overrides(tmp_path / "a")))
-    killed = subprocess.run(_sft_command(config, overrides(tmp_path / "b")), capture_output=True, text=True,
-                            cwd=REPO, timeout=900, env=_env(VLMEXP_FAULT="kill_at_step:3"))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # the killed command starts first and imports while the uninterrupted run trains here
+    with (tmp_path / "killed.log").open("w") as log:
+        killed = subprocess.Popen(_sft_command(config, overrides(tmp_path / "b")), stdout=subprocess.DEVNULL,
+                                  stderr=log, cwd=REPO, env=_env(VLMEXP_FAULT="kill_at_step:3"))
+    try:
+        straight = run_sft(load_config(config, overrides(tmp_path / "a")))
+        killed.wait(timeout=900)
+    finally:
+        killed.kill()  # nothing once it has ended
+    assert killed.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
     stage = tmp_path / "b" / "sft"
     assert not (stage / "final").exists()
     (stage / "checkpoint-3").mkdir()
@@ -71,14 +77,17 @@ def test_moe_sft_killed_then_resumed_matches_an_uninterrupted_run(tiny_models, t
         torch.testing.assert_close(first[k], second[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_torchrun_two_processes_train_the_moe_and_its_expert_counts_are_summed_over_the_ranks(
+def test_torchrun_two_processes_train_the_moe_validate_on_the_main_one_and_sum_the_expert_counts(
         tmp_path, tiny_models, mlflow_store):
     """The torchrun launcher with 2 CPU processes (DDP over gloo) on the tiny Qwen3.5-MoE, full fine-tuning
-    (a layer's experts are one 3-D parameter: DDP sees it used, with zero rows for the experts a rank's batch
-    leaves out): both ranks train, share the data, the experts' weights move, the main process writes the
-    model and the MLflow run. The expert counts are summed over both ranks: the tokens
-    routed in a step are at least the step's real tokens of both ranks (TRL's gathered `num_tokens`); rank
-    0's alone would be about half."""
+    with validation at every step (a layer's experts are one 3-D parameter: DDP sees it used, with zero rows
+    for the experts a rank's batch leaves out): the launcher starts both and they share the data; the main
+    process generates and scores, the other waits and takes the same decisions (a save at each new best);
+    nothing hangs. The experts' weights move, the main process writes the model and the MLflow run, and the
+    expert counts are summed over both ranks: the tokens routed in a step are at least the step's real
+    tokens of both ranks (TRL's gathered `num_tokens`); rank 0's alone would be about half. (One run for
+    both: the launcher's validation is the family's as much as the launcher's, and each torchrun start costs
+    three processes' imports.)"""
     import subprocess
 
     from mlflow.tracking import MlflowClient
@@ -89,15 +98,18 @@ def test_torchrun_two_processes_train_the_moe_and_its_expert_counts_are_summed_o
                  "tracking.backend=mlflow", f"tracking.tracking_uri={uri}", "tracking.system_metrics=false",
                  "data.demo.train=16", "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2",
                  "sft.args.save_steps=2", "sft.args.logging_steps=1", "sft.args.warmup_steps=0",
-                 "sft.args.per_device_train_batch_size=2", "launch.launcher=torchrun",
-                 "launch.nproc_per_node=2"]
+                 "sft.args.per_device_train_batch_size=2", "eval.every_steps=1", "eval.max_new_tokens=8",
+                 "launch.launcher=torchrun", "launch.nproc_per_node=2"]
     r = subprocess.run(_sft_command("configs/demo_qwen3_5.yaml", overrides), capture_output=True, text=True,
                        cwd=REPO, timeout=900, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "--nproc_per_node=2" in r.stderr
+    assert "launching: " in r.stderr and "--nproc_per_node=2" in r.stderr
     assert r.stderr.count("PyTorch reference kernels") == 2  # once a process, not once a kernel function
+    assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
     state = json.loads((out / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(0.5)  # 2 steps x 2 rows x 2 processes = 8 of 16 rows
+    assert [h["step"] for h in state["log_history"] if "val/rec_mean_iou" in h] == [1, 2]
+    assert (out / "sft" / f"checkpoint-{state['best_global_step']}").is_dir()
     assert (out / "sft" / "final" / "model.safetensors").is_file()
     changed = _changed(_weights(tiny_models["qwen3_5_moe"]), _weights(out / "sft" / "final"))
     assert any(".mlp.experts." in k for k in changed) and any(".linear_attn." in k for k in changed)
@@ -110,6 +122,7 @@ def test_torchrun_two_processes_train_the_moe_and_its_expert_counts_are_summed_o
 
     routed, seen = history("moe/routed_tokens"), history("num_tokens")
     assert sorted(routed) == [1, 2] and sorted(history("moe/expert_load_cv")) == [1, 2]
+    assert sorted(history("val/rec_mean_iou")) == [1, 2]
     for step in (1, 2):  # a step's real tokens, both ranks (TRL's count is cumulative), against the routed
         assert routed[step] >= seen[step] - seen.get(step - 1, 0) > 0, (routed, seen)
 

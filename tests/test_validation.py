@@ -1,6 +1,7 @@
 """Validation during training (eval.every_steps) and the best checkpoint: metrics by hand, config refusals,
 and real SFT / GRPO runs on the tiny model (MLflow read back, resume keeping the best, rotation sparing
-it)."""
+it). Validation under torchrun with 2 processes (the main one validates, the other takes its decisions):
+tests/test_qwen3_5_runs.py, on the tiny Qwen3.5-MoE."""
 
 from __future__ import annotations
 
@@ -221,40 +222,22 @@ def test_pipeline_exports_and_registers_the_best_checkpoint(prefect, tmp_path, r
                                                       "val/rec_mean_iou")] == [2, 4]
 
 
-@pytest.mark.slow
-def test_two_processes_share_the_data_and_validate_on_the_main_one_only(tmp_path, tiny_models):
-    """torchrun with 2 CPU processes (DDP over gloo): the launcher starts both and they share the data; the
-    main process generates and scores, the other waits and takes the same decisions (a save at each new
-    best); nothing hangs."""
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", f"model.path={tiny_models['qwen2_5_vl']}",
-                        "tracking.backend=none", "data.demo.train=16",
-                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "sft.args.save_steps=100",
-                        "sft.args.per_device_train_batch_size=2", "eval.every_steps=1",
-                        "eval.max_new_tokens=8", "launch.launcher=torchrun", "launch.nproc_per_node=2"],
-                       capture_output=True, text=True, cwd=REPO, timeout=900,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "launching: " in r.stderr and "--nproc_per_node=2" in r.stderr
-    assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
-    state = json.loads((tmp_path / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
-    # 2 steps x 2 rows x 2 processes = 8 of 16 rows: half an epoch (one process would make it a quarter)
-    assert state["epoch"] == pytest.approx(0.5)
-    assert (tmp_path / "sft" / "final" / "model.safetensors").is_file()
-    assert [h["step"] for h in state["log_history"] if "val/rec_mean_iou" in h] == [1, 2]
-    assert (tmp_path / "sft" / f"checkpoint-{state['best_global_step']}").is_dir()
-
-
-@pytest.mark.slow
-def test_zero3_over_two_processes_is_refused_before_any_step(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "vlmexp.cli", "train", "sft", "--config", "configs/demo.yaml",
-                        f"run.output_dir={tmp_path}", "tracking.backend=none", "data.demo.train=16",
-                        "data.demo.val=4", *SMALL_BATCHES, "sft.args.max_steps=2", "eval.every_steps=1",
-                        "launch.launcher=torchrun", "launch.nproc_per_node=2",
-                        "launch.deepspeed=configs/deepspeed/zero3.json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=900,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode != 0
-    assert ("DeepSpeed ZeRO-3 shards the parameters over the 2 processes" in r.stderr
-            and "zero2.json" in r.stderr)
-    assert not list((tmp_path / "sft").glob("checkpoint-*"))
+@pytest.mark.parametrize(("launch", "scheme", "processes"), [
+    (["launch.launcher=torchrun", "launch.nproc_per_node=2", "launch.deepspeed=configs/deepspeed/zero3.json"],
+     "DeepSpeed ZeRO-3", 2),
+    (["launch.launcher=torchrun", "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500",
+      "sft.args.fsdp=full_shard"], "FSDP", 2),
+])
+def test_sharded_parameters_over_several_processes_are_refused_before_the_launcher_starts(
+        tmp_path, vlmexp_main, launch, scheme, processes):
+    """Validation during training with ZeRO-3 or FSDP over several processes (over the nodes too): `vlmexp
+    train` refuses it from the config, naming the field and the fix, before the launcher starts any process
+    (each rank would refuse it after its start-up, as `check_sharding` does)."""
+    rc, out, err = vlmexp_main("train", "sft", "--config", "configs/demo.yaml", f"run.output_dir={tmp_path}",
+                               "tracking.backend=none", "data.demo.train=16", "data.demo.val=4",
+                               "eval.every_steps=1", *launch)
+    assert rc == 2, err
+    assert "eval.every_steps" in err
+    assert f"{scheme} shards the parameters over the {processes} processes" in err
+    assert "zero2.json" in err and "eval.every_steps: 0" in err
+    assert "launching: " not in out + err and not (tmp_path / "sft").exists()

@@ -85,6 +85,28 @@ def ray_submission(launch: LaunchConfig) -> str:
             f"newest checkpoint; runtime_env {r.runtime_env or 'none (the nodes have vlmexp installed)'}")
 
 
+def process_count(launch: LaunchConfig) -> int:
+    """The training processes a launch starts over all its nodes: Ray's workers, or nproc_per_node on each
+    of nnodes (1 for local)."""
+    if launch.launcher == "ray":
+        assert launch.ray is not None
+        return launch.ray.num_workers
+    return launch.nproc_per_node * launch.nnodes
+
+
+def sharded_validation_problem(processes: int, zero3: bool, fsdp: bool) -> str | None:
+    """Why validation during training cannot run on `processes` processes whose parameters DeepSpeed ZeRO-3
+    or FSDP shards over them, with the fix; None when it can. (`vlmexp.train.validation.check_sharding` in
+    each rank; `vlmexp.checks.config_paths` before anything starts.)"""
+    if processes == 1 or not (zero3 or fsdp):
+        return None
+    scheme = "DeepSpeed ZeRO-3" if zero3 else "FSDP"
+    return (f"validation during training generates on the main process alone, and {scheme} shards the "
+            f"parameters over the {processes} processes, so that generate would wait forever for the others; "
+            "use ZeRO-2 (configs/deepspeed/zero2.json) or DDP, or set eval.every_steps: 0 and evaluate after "
+            "the stage")
+
+
 def is_launched_process() -> bool:
     """True inside a process a distributed launcher started (it sets these for every rank)."""
     import os

@@ -104,10 +104,12 @@ def check_config_paths(cfg: Config, check_cluster: bool = True) -> list[Found]:
         value = getattr(launch, key)
         if value and not Path(value).is_file():
             out.append((("launch", key), value, "file not found; fix the path"))
+    ds: Any = {}
     if launch.deepspeed and Path(launch.deepspeed).is_file():
-        _, msg = read_json_file(launch.deepspeed)
+        ds, msg = read_json_file(launch.deepspeed)
         if msg:
             out.append((("launch", "deepspeed"), launch.deepspeed, msg))
+    out += _check_sharded_validation(cfg, ds)
     from vlmexp.launch import is_launched_process
 
     # a worker's cluster was checked by its driver
@@ -116,6 +118,20 @@ def check_config_paths(cfg: Config, check_cluster: bool = True) -> list[Found]:
 
         out += check_ray_launch(cfg)
     return out
+
+
+def _check_sharded_validation(cfg: Config, deepspeed: Any) -> list[Found]:
+    """Validation during training over several processes whose parameters are sharded (ZeRO-3 in
+    launch.deepspeed, FSDP in a stage's args): refused here, before the launcher starts any process, as each
+    rank would refuse it after its start-up."""
+    from vlmexp.launch import process_count, sharded_validation_problem
+
+    if not cfg.eval.every_steps:
+        return []
+    zero3 = isinstance(deepspeed, dict) and (deepspeed.get("zero_optimization") or {}).get("stage") == 3
+    fsdp = any(getattr(cfg, s).enabled and getattr(cfg, s).args.get("fsdp") for s in TRAINING_STAGES)
+    problem = sharded_validation_problem(process_count(cfg.launch), zero3, fsdp)
+    return [(("eval", "every_steps"), cfg.eval.every_steps, problem)] if problem else []
 
 
 def data_paths(cfg: Config, *models: str) -> dict[str, str]:

@@ -24,8 +24,9 @@ so a stage resumed after a crash keeps the best so far. A tie keeps the earlier 
 Processes: the main process generates and scores while the others wait; the metrics then go to every rank
 (accelerate's `broadcast_object_list`), so all ranks take the same decision to save. Refused when more than
 one process trains with FSDP or DeepSpeed ZeRO-3, whose parameters are sharded over the ranks, so a generate
-on the main process alone would wait forever for the others (`check_sharding`: before the model loads, from
-the config).
+on the main process alone would wait forever for the others: by `vlmexp validate`, `run` and `train` before
+anything starts (`vlmexp.checks.config_paths`, from the launch section and the DeepSpeed file), and in each
+rank (`check_sharding`: before the model loads, and from the built trainer for an accelerate config's).
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
     accelerate config's)."""
     from accelerate import PartialState
 
+    from vlmexp.launch import sharded_validation_problem
+
     processes = PartialState().num_processes
     if not cfg.eval.every_steps or processes == 1:
         return
@@ -298,15 +301,10 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
         ds = json.loads(Path(cfg.launch.deepspeed).read_text()) if cfg.launch.deepspeed else {}
         zero3, fsdp = ((ds.get("zero_optimization") or {}).get("stage") == 3,
                        bool(getattr(cfg, stage).args.get("fsdp")))
-    if zero3 or fsdp:
+    if problem := sharded_validation_problem(processes, zero3, fsdp):
         from vlmexp.errors import ConfigError, Problem
 
-        scheme = "DeepSpeed ZeRO-3" if zero3 else "FSDP"
-        raise ConfigError(Problem("eval.every_steps", "", f"validation during training generates on the main "
-                                  f"process alone, and {scheme} shards the parameters over the {processes} "
-                                  "processes, so that generate would wait forever for the others; use ZeRO-2 "
-                                  "(configs/deepspeed/zero2.json) or DDP, or set eval.every_steps: 0 and "
-                                  "evaluate after the stage", cfg.eval.every_steps))
+        raise ConfigError(Problem("eval.every_steps", "", problem, cfg.eval.every_steps))
 
 
 def write_summary(state, cfg: Config, stage_dir: Path) -> dict[str, Any]:
