@@ -127,3 +127,30 @@ def test_close_sends_every_record_logged_just_before_it(tmp_path):
         run.close("FINISHED")
         assert [m.step for m in client.get_metric_history(run_id, "k39")] == list(range(1, 21)), attempt
         assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_clearing_a_run_folder_another_process_clears_at_once_does_not_fail(tmp_path, monkeypatch):
+    """Two processes ending on one run folder each empty it (their records all sent): the second's
+    `files/` made again between the first's removal and its own is no error, and a file spooled after
+    that finds its folder."""
+    import shutil
+
+    from vlmexp.tracking import spool as spool_module
+    from vlmexp.tracking.spool import RunSender, Spool
+
+    folder = tmp_path / "mlflow_spool" / "run"
+    writer = Spool(folder, "sqlite:///x.db")
+    writer.new_file("a.png").write_bytes(b"x")
+    rmtree = shutil.rmtree
+
+    def the_other_process_clears_first(path, ignore_errors=False):
+        rmtree(path, ignore_errors=ignore_errors)
+        (folder / "files").mkdir()  # the other process's `clear`, between this one's two steps
+
+    monkeypatch.setattr(spool_module.shutil, "rmtree", the_other_process_clears_first)
+    RunSender(folder).clear()
+    assert (folder / "files").is_dir() and not any((folder / "files").iterdir())
+    monkeypatch.setattr(spool_module.shutil, "rmtree", rmtree)
+    shutil.rmtree(folder / "files")  # and a clear that removed files/ just before the writer spools a file
+    writer.new_file("b.png").write_bytes(b"y")
+    writer.close()

@@ -66,7 +66,7 @@ class Spool:
         """A fresh path files/<random>/`name` for a copy that a record points to (the name is kept: MLflow
         uploads a file under its own name)."""
         folder = self.folder / "files" / uuid.uuid4().hex[:12]
-        folder.mkdir()
+        folder.mkdir(parents=True)  # files/ itself again, if another process's `clear` has just removed it
         return folder / name
 
     def close(self) -> None:
@@ -334,7 +334,8 @@ class RunSender:
         self.mark(0)  # first: a crash before the records go sends them again, which the store takes once
         (self.folder / RECORDS).unlink(missing_ok=True)
         shutil.rmtree(self.folder / "files", ignore_errors=True)
-        (self.folder / "files").mkdir()
+        # another process ending on the same run folder may have emptied and made it again in between
+        (self.folder / "files").mkdir(exist_ok=True)
 
 
 def send_spooled(stage_dir: Path, seconds: float = 60) -> None:
