@@ -15,6 +15,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from vlmexp.config.schema import LaunchConfig
 
@@ -92,6 +93,11 @@ def process_count(launch: LaunchConfig) -> int:
         assert launch.ray is not None
         return launch.ray.num_workers
     return launch.nproc_per_node * launch.nnodes
+
+
+def is_zero3(deepspeed: Any) -> bool:
+    """Whether a DeepSpeed config (launch.deepspeed's JSON, read) shards the parameters: ZeRO stage 3."""
+    return isinstance(deepspeed, dict) and (deepspeed.get("zero_optimization") or {}).get("stage") == 3
 
 
 def sharded_validation_problem(processes: int, zero3: bool, fsdp: bool) -> str | None:

@@ -124,11 +124,11 @@ def _check_sharded_validation(cfg: Config, deepspeed: Any) -> list[Found]:
     """Validation during training over several processes whose parameters are sharded (ZeRO-3 in
     launch.deepspeed, FSDP in a stage's args): refused here, before the launcher starts any process, as each
     rank would refuse it after its start-up."""
-    from vlmexp.launch import process_count, sharded_validation_problem
+    from vlmexp.launch import is_zero3, process_count, sharded_validation_problem
 
     if not cfg.eval.every_steps:
         return []
-    zero3 = isinstance(deepspeed, dict) and (deepspeed.get("zero_optimization") or {}).get("stage") == 3
+    zero3 = is_zero3(deepspeed)
     fsdp = any(getattr(cfg, s).enabled and getattr(cfg, s).args.get("fsdp") for s in TRAINING_STAGES)
     problem = sharded_validation_problem(process_count(cfg.launch), zero3, fsdp)
     return [(("eval", "every_steps"), cfg.eval.every_steps, problem)] if problem else []

@@ -288,7 +288,7 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
     accelerate config's)."""
     from accelerate import PartialState
 
-    from vlmexp.launch import sharded_validation_problem
+    from vlmexp.launch import is_zero3, sharded_validation_problem
 
     processes = PartialState().num_processes
     if not cfg.eval.every_steps or processes == 1:
@@ -299,8 +299,7 @@ def check_sharding(cfg: Config, stage: str, trainer=None) -> None:
         zero3, fsdp = is_deepspeed_zero3_enabled(), trainer.is_fsdp_enabled
     else:
         ds = json.loads(Path(cfg.launch.deepspeed).read_text()) if cfg.launch.deepspeed else {}
-        zero3, fsdp = ((ds.get("zero_optimization") or {}).get("stage") == 3,
-                       bool(getattr(cfg, stage).args.get("fsdp")))
+        zero3, fsdp = is_zero3(ds), bool(getattr(cfg, stage).args.get("fsdp"))
     if problem := sharded_validation_problem(processes, zero3, fsdp):
         from vlmexp.errors import ConfigError, Problem
 
