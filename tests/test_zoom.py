@@ -142,6 +142,53 @@ def test_grpo_zooms_through_trls_tool_loop_and_the_loss_sees_the_crop(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_share_of_the_prompts_comes_without_the_tools(tmp_path, tiny_models):
+    """grpo.tools.without 0.5: half the prompts (the same ones at every build) are rendered without the tools
+    block, the others with it, in one GRPO step; the tool rewards and the zoom metrics count the prompts that
+    offered the tool alone (every one of those zoomed and answered right: their means are 1, where the
+    tool-less half would halve them)."""
+    from vlmexp.tools import WITH_TOOLS, WITHOUT_TOOLS
+    from vlmexp.train.grpo import build_grpo_trainer
+    from vlmexp.train.stage import train_and_save
+
+    records = write_records(tmp_path / "data", ["zoom"] * 4)
+    cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records, "grpo.args.max_steps=1",
+                   "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
+                   "grpo.args.gradient_accumulation_steps=1", "grpo.tools.without=0.5",
+                   "grpo.rewards=[{name: exact, kwargs: {default_match: exact}}, {name: tool}, "
+                   "{name: zoom_target}]", "grpo.online_filter.enabled=false")
+    trainer, inputs, rows = build_grpo_trainer(cfg)
+    routed = list(trainer.train_dataset["environment"])
+    assert sorted(routed) == sorted([WITH_TOOLS] * 2 + [WITHOUT_TOOLS] * 2), routed
+    assert list(build_grpo_trainer(cfg)[0].train_dataset["environment"]) == routed  # the same rows again
+    scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    shown, tokenize = [], trainer._tokenize_prompts
+
+    def recorded(prompts):
+        out = tokenize(prompts)
+        texts = [inputs.processor.tokenizer.decode(ids) for ids in out[0]]
+        shown.extend(zip(list(trainer._batch_environments), texts, strict=True))
+        return out
+
+    trainer._tokenize_prompts = recorded
+    train_and_save(trainer, inputs, rows)
+    assert sorted(e for e, _ in shown) == sorted([WITH_TOOLS] * 4 + [WITHOUT_TOOLS] * 4), shown
+    assert all(("<tools>" in text) == (e == WITH_TOOLS) for e, text in shown), shown
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert logs["rewards/tool/mean"] == pytest.approx(1.0)
+    assert logs["zoom/zoomed_share"] == pytest.approx(1.0)
+    assert logs["zoom/zooms_per_completion"] == pytest.approx(1.0)
+
+
+def test_a_share_without_the_tools_is_refused_where_no_tool_is_offered():
+    from vlmexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"without \(0.25\) is the share of prompts given without the "
+                       r"tools, and names offers none; set names: \[zoom\]"):
+        load_config(REPO / "configs/demo.yaml", ["grpo.tools.without=0.25"])
+
+
+@pytest.mark.slow
 def test_a_step_whose_calls_return_no_image_trains_on(tmp_path, tiny_models):
     """A GRPO step in which every tool call is refused (boxes outside the image, malformed calls), so no turn
     returns a crop: TRL's tool loop then reads the prompts' image fields, which vlmexp gives it as tensors

@@ -68,6 +68,14 @@ def _column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
     return list(values) if values is not None else [None] * n
 
 
+def _offered_tools(kwargs: dict[str, Any], n: int) -> list[bool]:
+    """Whether each completion's prompt offered the tools: all but the rows GRPO gives without them
+    (grpo.tools.without: their `environment` column)."""
+    from vlmexp.tools import WITHOUT_TOOLS
+
+    return [e != WITHOUT_TOOLS for e in _column(kwargs, "environment", n)]
+
+
 @dataclass(frozen=True)
 class Unparsable:
     """What `score` returns for a completion it cannot read: it scores 0 and `reason` is counted."""
@@ -333,7 +341,8 @@ class ToolReward(Reward):
     (`accuracy`, a registered reward, scores it at least `threshold`), else 0; None where `accuracy` does not
     apply to the record's task. It also reports what the completions did with the tool, through TRL's
     `log_metric` (vlmexp.tools.zoom.report_zoom_metrics): zooms per completion, the share that zoomed, and
-    per generation batch the malformed calls, boxes outside the image and calls past max_turns."""
+    per generation batch the malformed calls, boxes outside the image and calls past max_turns. None (and
+    not counted) for a prompt given without the tools (grpo.tools.without)."""
 
     name: ClassVar[str] = "tool"
     accuracy: str = "exact"
@@ -357,11 +366,13 @@ class ToolReward(Reward):
 
         counts = [zoom_counts(c) for c in completions]
         right = self._accuracy(prompts, completions, **kwargs)
-        report_zoom_metrics(log_metric, counts, self.max_turns)
+        offered = _offered_tools(kwargs, len(completions))
+        shown = [c for c, o in zip(counts, offered, strict=True) if o]
+        report_zoom_metrics(log_metric, shown, self.max_turns)
         if log_extra is not None:
             log_extra("zooms", [c.zooms for c in counts])
-        return [None if r is None else float(c.zooms > 0 and r >= self.threshold)
-                for r, c in zip(right, counts, strict=True)]
+        return [None if r is None or not o else float(c.zooms > 0 and r >= self.threshold)
+                for r, c, o in zip(right, counts, offered, strict=True)]
 
 
 @dataclass
@@ -369,9 +380,10 @@ class ZoomTargetReward(Reward):
     """How well a completion's zooms held the record's target(s) (`bbox`, original pixels): for each target,
     the largest share of its area inside one crop, averaged over the targets; with `whole`, 1 when every
     target lies whole inside a crop (evaluation's tool_zoom_on_target) else 0. A completion without a zoom
-    scores 0; a record without a box, None. The crops are found again from the calls as the tool made them
-    (vlmexp.tools.zoom.replayed_zooms; `min_crop_side` is grpo.tools.min_crop_side, set by the loader). Paid
-    beside the answer's reward, it rewards where the zoom looked, not only what was answered."""
+    scores 0; a record without a box, or a prompt given without the tools (grpo.tools.without), None. The
+    crops are found again from the calls as the tool made them (vlmexp.tools.zoom.replayed_zooms;
+    `min_crop_side` is grpo.tools.min_crop_side, set by the loader). Paid beside the answer's reward, it
+    rewards where the zoom looked, not only what was answered."""
 
     name: ClassVar[str] = "zoom_target"
     whole: bool = False
@@ -384,7 +396,8 @@ class ZoomTargetReward(Reward):
                  log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
         n = len(completions)
         boxes, sizes = _column(kwargs, "bbox", n), _column(kwargs, "image_sizes", n)
-        return [self.held(c, b, s) for c, b, s in zip(completions, boxes, sizes, strict=True)]
+        return [self.held(c, b, s) if o else None
+                for c, b, s, o in zip(completions, boxes, sizes, _offered_tools(kwargs, n), strict=True)]
 
     def held(self, completion: Any, bbox: Any, image_sizes: Any) -> Score:
         from vlmexp.tools.zoom import held_targets, replayed_zooms

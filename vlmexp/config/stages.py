@@ -186,12 +186,26 @@ class ToolsConfig(Section):
         "around its centre to this side (DeepEyes: 28), inside the image; the crop then goes through the "
         "processor's own image budget (model.min_pixels / max_pixels) as any image does.")
 
+    without: float = Field(
+        0.0, ge=0.0, lt=1.0, description="The share of GRPO's training prompts given without the tools "
+        "(no tools block; the same prompts at every start, drawn with run.seed): their groups answer "
+        "directly, as evaluation without the tool asks and SFT's tool-less demonstrations "
+        "(data.zoom_demo.direct) taught. With 0 (the default) every prompt offers the tools, and a policy "
+        "rewarded for zooming may stop answering in form without them.")
+
     @field_validator("names")
     @classmethod
     def _unique(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
             raise ValueError(f"names {v} lists a tool twice; list each once")
         return v
+
+    @model_validator(mode="after")
+    def _without_needs_tools(self) -> ToolsConfig:
+        if self.without and not self.names:
+            raise ValueError(f"without ({self.without}) is the share of prompts given without the tools, and "
+                             "names offers none; set names: [zoom], or leave without out")
+        return self
 
 
 class GRPOStageConfig(StageConfig):

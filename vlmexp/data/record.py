@@ -152,6 +152,7 @@ OWN_COLUMNS = {
     "completion": "TRL's completion column", "completion_ids": "TRL's completion_ids argument",
     "trainer_state": "TRL's trainer_state argument", "log_metric": "TRL's log_metric hook",
     "log_extra": "TRL's log_extra hook", "environments": "TRL's environments argument",
+    "environment": "the environment TRL gives a GRPO row (grpo.tools.without)",
 }
 
 

@@ -8,15 +8,48 @@ from typing import Any
 
 from vlmexp.config.stages import GRPOStageConfig, RewardSpec, ToolsConfig
 
+WITH_TOOLS, WITHOUT_TOOLS = "tools", "no_tools"  # a GRPO row's environment (grpo.tools.without)
+
+
+class NoTools:
+    """The environment of a GRPO prompt given without the tools (grpo.tools.without): nothing to call, so TRL
+    renders its prompt without the tools block, as evaluation without the tool does."""
+
+    def reset(self, **row: Any) -> None:
+        return None
+
 
 def environment_factory(tools: ToolsConfig, family, budget):
-    """TRL's `environment_factory` for the configured tools (one fresh environment per rollout), or None
-    when grpo.tools offers none."""
+    """A callable making one fresh environment of the configured tools (a rollout's, an evaluation
+    record's), or None when grpo.tools offers none."""
     if not tools.names:
         return None
     from vlmexp.tools.zoom import zoom_environment_factory
 
     return zoom_environment_factory(family.box_frame, budget, tools.min_crop_side)  # names == ["zoom"]
+
+
+def grpo_environments(tools: ToolsConfig, family, budget):
+    """What GRPO gives TRL's `environment_factory`: the tools' factory, or with grpo.tools.without a dict of
+    it and `NoTools` that each training row picks from by its `environment` column (`route_rows`)."""
+    factory = environment_factory(tools, family, budget)
+    if factory is None or not tools.without:
+        return factory
+    return {WITH_TOOLS: factory, WITHOUT_TOOLS: NoTools}
+
+
+def route_rows(dataset, tools: ToolsConfig, seed: int):
+    """`dataset` with the `environment` column TRL routes each row by under grpo.tools.without: that share of
+    the rows (rounded; drawn with the run's seed, the same rows at every start) without the tools, the rest
+    with them. `dataset` as it is otherwise."""
+    if not tools.names or not tools.without:
+        return dataset
+    import random
+
+    n = len(dataset)
+    without = set(random.Random(seed).sample(range(n), round(tools.without * n)))
+    return dataset.add_column("environment", [WITHOUT_TOOLS if i in without else WITH_TOOLS
+                                              for i in range(n)])
 
 
 def offered_tools(tools: ToolsConfig, family, budget) -> list:

@@ -27,7 +27,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     from vlmexp.processor import prefills_think
     from vlmexp.rewards_loader import build_reward
     from vlmexp.scoring import build_scorers
-    from vlmexp.tools import environment_factory, reward_specs, tool_settings, zoom_replay
+    from vlmexp.tools import grpo_environments, reward_specs, route_rows, tool_settings, zoom_replay
     from vlmexp.tracking.callbacks import CompileCountLog, CompletionTable
     from vlmexp.train.data import build_dataset
     from vlmexp.train.grpo_pairing import GuardedGRPOTrainer, left_pad
@@ -47,6 +47,7 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
         from vlmexp.train.difficulty import kept_rows
 
         train_dataset = train_dataset.select(kept_rows(inputs, args))
+    train_dataset = route_rows(train_dataset, cfg.grpo.tools, cfg.run.seed)  # grpo.tools.without's rows
     model, peft_config = load_model(inputs)
     # completions then start inside <think> (the format reward reads so)
     thinking = prefills_think(inputs.processor)
@@ -64,8 +65,8 @@ def build_grpo_trainer(cfg: Config, model_path: str | None = None, callbacks: Se
     trainer = trainer_class(model=model, reward_funcs=rewards, args=args, train_dataset=train_dataset,
                             processing_class=inputs.processor, peft_config=peft_config,
                             callbacks=list(callbacks), family=inputs.family, budget=inputs.budget,
-                            environment_factory=environment_factory(cfg.grpo.tools, inputs.family,
-                                                                    inputs.budget), **extra)
+                            environment_factory=grpo_environments(cfg.grpo.tools, inputs.family,
+                                                                  inputs.budget), **extra)
     # TRL's rollouts as every stage generates; the compile count first among the callbacks, so the logs that
     # MLflow's callback and the caller's callbacks see carry it
     settings = resolve(cfg.generation, trainer.accelerator.device.type)
