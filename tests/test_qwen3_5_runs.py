@@ -105,6 +105,7 @@ def test_torchrun_two_processes_train_the_moe_validate_on_the_main_one_and_sum_t
     assert r.returncode == 0, r.stderr[-3000:]
     assert "launching: " in r.stderr and "--nproc_per_node=2" in r.stderr
     assert r.stderr.count("PyTorch reference kernels") == 2  # once a process, not once a kernel function
+    assert r.stderr.count("logging to MLflow run") == 1  # the main process's run only
     assert r.stderr.count("validation on 4 held-out records x 1") == 2  # steps 1 and 2, one process
     state = json.loads((out / "sft" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(0.5)  # 2 steps x 2 rows x 2 processes = 8 of 16 rows

@@ -100,6 +100,9 @@ def test_sft_runs_on_two_nodes_from_the_pipeline(cluster, tmp_path, prefect_home
     assert nodes[0] != nodes[1] and all("1 CPU" in tags[f"ray.worker.{r}"] for r in (0, 1)), tags
     for rank, node in enumerate(nodes):  # the workers' lines, in the task's log
         assert f"[rank {rank} node {node} " in log, log[-3000:]
+    # the stage's MLflow run is opened by rank 0 alone (rank 1's accelerate state knows it is rank 1)
+    opened = re.findall(r"\[rank (\d) node \w+ [^\n]*logging to MLflow run", log)
+    assert opened == ["0"], opened
     assert not DISASSEMBLY.search(log), DISASSEMBLY.search(log).group(0)
     assert "Loading weights" not in log, log[-3000:]  # the runtime_env's env_vars, in the workers
     assert steps_logged(client, stage_run.info.run_id, "loss") == [1, 2]

@@ -95,12 +95,19 @@ def build_trl_config(stage: str, args: dict[str, Any], output_dir: str, **pipeli
     kwargs = current_names(stage, {**pipeline_args, **converted})
     if not torch.cuda.is_available():
         kwargs.setdefault("bf16", False)
-        kwargs.setdefault("use_cpu", True)
+    kwargs["use_cpu"] = runs_on_cpu(kwargs)
     try:
         return trl_config_class(stage)(output_dir=output_dir, **kwargs)
     except (ValueError, TypeError) as e:
         raise ConfigError(Problem(f"{stage}.args", "", f"trl.{trl_config_class(stage).__name__} refuses "
                                   f"these args: {e}", args)) from e
+
+
+def runs_on_cpu(args: dict[str, Any]) -> bool:
+    """Whether a stage with these args trains on the CPU: `use_cpu` as given, else when there is no CUDA."""
+    import torch
+
+    return bool(args.get("use_cpu", not torch.cuda.is_available()))
 
 
 def current_names(stage: str, kwargs: dict[str, Any]) -> dict[str, Any]:

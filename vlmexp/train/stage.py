@@ -52,6 +52,7 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from accelerate import PartialState
     from transformers import set_seed
 
+    from vlmexp.config.trl_args import runs_on_cpu
     from vlmexp.data.run_data import prepare_data
     from vlmexp.disk import warn_if_short
     from vlmexp.families import detect_family
@@ -61,6 +62,10 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     from vlmexp.train.validation import check_sharding
     from vlmexp.train.verbosity import quiet_model_saves
 
+    # accelerate's state as the trainer will make it (transformers builds it with cpu=use_cpu), before any
+    # rank asks it: on a machine without CUDA a bare PartialState() is one process in every rank, so each rank
+    # would take itself for the main one (open the MLflow run, build the tiny model beside the others)
+    state = PartialState(cpu=runs_on_cpu(getattr(cfg, stage).args))
     quiet_model_saves()  # a tiny model's build below, unless verbose (the checkpoints': show_progress)
     check_hardware(getattr(cfg, stage), stage)
     check_model_rewards(cfg, stage)  # a judge endpoint that is down, before any model loads
@@ -72,7 +77,6 @@ def prepare_stage(cfg: Config, stage: str, model_path: str | None = None,
     # process (whose output folder may be its own disk) before that node's other ranks, which find both
     # current and only read them. Each context waits on a barrier of all ranks, so no rank reads data that
     # another is still writing; a single process just runs the body.
-    state = PartialState()
     with state.main_process_first(), state.local_main_process_first():
         if model_path is None:
             model_path, family = resolve_model(cfg.model, cfg.run.output_dir)
