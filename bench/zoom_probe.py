@@ -58,7 +58,7 @@ def placed(val: Path, results: list[str]) -> None:
     import random
 
     from vlmexp.files import read_jsonl
-    from vlmexp.rewards import _inside  # the share of a target inside a crop, as zoom_target pays it
+    from vlmexp.tools.rewards import inside  # the share of a target inside a crop, as zoom_target pays it
 
     targets = [row["bbox"] for row in read_jsonl(val)]
     shuffled = random.Random(0).sample(targets, len(targets))
@@ -74,7 +74,7 @@ def placed(val: Path, results: list[str]) -> None:
     for path in results:
         rows = json.loads(Path(path).read_text())["records"]
         zooms = [row[2] for row in rows]
-        held = [_inside(row[2][0], box) if row[2] else 0.0 for row, box in zip(rows, targets, strict=True)]
+        held = [inside(row[2][0], box) if row[2] else 0.0 for row, box in zip(rows, targets, strict=True)]
         kinds = {"whole": [], "part": [], "missed": []}
         for row, share in zip(rows, held, strict=True):
             kinds["whole" if share >= 1 else "part" if share > 0 else "missed"].append(row[1])

@@ -335,7 +335,7 @@ def test_grpo_refuses_records_whose_answers_no_reward_scores():
     naming the task and the reward that would score it, before the model loads."""
     from vlmexp.checks.loader import load_config
     from vlmexp.errors import ConfigError
-    from vlmexp.rewards import unscored_tasks
+    from vlmexp.rewards_loader import unscored_tasks
     from vlmexp.train.grpo import check_rewards_score
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")  # rewards: format, iou

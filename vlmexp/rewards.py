@@ -63,17 +63,9 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
-def _column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
+def column(kwargs: dict[str, Any], name: str, n: int) -> list[Any]:
     values = kwargs.get(name)
     return list(values) if values is not None else [None] * n
-
-
-def _offered_tools(kwargs: dict[str, Any], n: int) -> list[bool]:
-    """Whether each completion's prompt offered the tools: all but the rows GRPO gives without them
-    (grpo.tools.without: their `environment` column)."""
-    from vlmexp.tools import WITHOUT_TOOLS
-
-    return [e != WITHOUT_TOOLS for e in _column(kwargs, "environment", n)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +99,7 @@ class Reward:
                  log_metric: Callable[[str, float], None] | None = None,
                  log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
         n = len(completions)
-        columns = {k: _column(kwargs, k, n) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
+        columns = {k: column(kwargs, k, n) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
         out: list[Score] = []
         why: list[str | None] = []
         for i, completion in enumerate(completions):
@@ -335,113 +327,11 @@ class DetectionReward(Reward):
         return read if isinstance(read, Unparsable) else detection_reward(accu_reward_method, *read)
 
 
-@dataclass
-class ToolReward(Reward):
-    """DeepEyes' tool reward: 1 when the completion zoomed (a crop came back) and its final answer is right
-    (`accuracy`, a registered reward, scores it at least `threshold`), else 0; None where `accuracy` does not
-    apply to the record's task. It also reports what the completions did with the tool, through TRL's
-    `log_metric` (vlmexp.tools.zoom.report_zoom_metrics): zooms per completion, the share that zoomed, and
-    per generation batch the malformed calls, boxes outside the image and calls past max_turns. None (and
-    not counted) for a prompt given without the tools (grpo.tools.without)."""
-
-    name: ClassVar[str] = "tool"
-    accuracy: str = "exact"
-    threshold: float = 1.0
-    max_turns: int | None = None  # grpo.tools.max_turns (set by the loader): tells over-limit calls apart
-    frame: str = "pixels"
-    budget: Any = None
-
-    def __post_init__(self) -> None:
-        if self.accuracy not in REGISTRY or self.accuracy in ("tool", "format"):
-            raise TypeError(f"accuracy {self.accuracy!r} is not a reward that scores answers: use one of "
-                            f"{', '.join(n for n in REGISTRY if n not in ('tool', 'format'))}")
-        cls = REGISTRY[self.accuracy]
-        boxes = issubclass(cls, (IoUReward, DetectionReward))
-        self._accuracy = cls(frame=self.frame, budget=self.budget) if boxes else cls()
-
-    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
-                 log_metric: Callable[[str, float], None] | None = None,
-                 log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
-        from vlmexp.tools.zoom import report_zoom_metrics, zoom_counts
-
-        counts = [zoom_counts(c) for c in completions]
-        right = self._accuracy(prompts, completions, **kwargs)
-        offered = _offered_tools(kwargs, len(completions))
-        shown = [c for c, o in zip(counts, offered, strict=True) if o]
-        report_zoom_metrics(log_metric, shown, self.max_turns)
-        if log_extra is not None:
-            log_extra("zooms", [c.zooms for c in counts])
-        return [None if r is None or not o else float(c.zooms > 0 and r >= self.threshold)
-                for r, c, o in zip(right, counts, offered, strict=True)]
-
-
-@dataclass
-class ZoomTargetReward(Reward):
-    """How well a completion's zooms held the record's target(s) (`bbox`, original pixels): for each target,
-    the largest share of its area inside one crop, averaged over the targets; with `whole`, 1 when every
-    target lies whole inside a crop (evaluation's tool_zoom_on_target) else 0. A completion without a zoom
-    scores 0; a record without a box, or a prompt given without the tools (grpo.tools.without), None. The
-    crops are found again from the calls as the tool made them (vlmexp.tools.zoom.replayed_zooms;
-    `min_crop_side` is grpo.tools.min_crop_side, set by the loader). Paid beside the answer's reward, it
-    rewards where the zoom looked, not only what was answered."""
-
-    name: ClassVar[str] = "zoom_target"
-    whole: bool = False
-    min_crop_side: int = 28
-    frame: str = "pixels"
-    budget: Any = None
-
-    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
-                 log_metric: Callable[[str, float], None] | None = None,
-                 log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[Score]:
-        n = len(completions)
-        boxes, sizes = _column(kwargs, "bbox", n), _column(kwargs, "image_sizes", n)
-        return [self.held(c, b, s) if o else None
-                for c, b, s, o in zip(completions, boxes, sizes, _offered_tools(kwargs, n), strict=True)]
-
-    def held(self, completion: Any, bbox: Any, image_sizes: Any) -> Score:
-        from vlmexp.tools.zoom import held_targets, replayed_zooms
-
-        if not bbox:
-            return None
-        if not image_sizes:
-            raise ValueError(f"record has a bbox ({bbox!r}) but no image size; sample it again with "
-                             "`vlmexp sample`")
-        targets = [bbox] if isinstance(bbox[0], (int, float)) else list(bbox)
-        width, height = image_sizes[0]
-        crops = replayed_zooms(completion, width, height, self.frame, self.budget, self.min_crop_side)
-        if self.whole:
-            return float(bool(crops) and held_targets(crops, targets))
-        return sum(max((_inside(c, t) for c in crops), default=0.0) for t in targets) / len(targets)
-
-
-def _inside(crop: Sequence[float], box: Sequence[float]) -> float:
-    """The share of `box`'s area inside `crop` (0 for a degenerate box)."""
-    area = (box[2] - box[0]) * (box[3] - box[1])
-    ix = max(0.0, min(crop[2], box[2]) - max(crop[0], box[0]))
-    iy = max(0.0, min(crop[3], box[3]) - max(crop[1], box[1]))
-    return ix * iy / area if area > 0 else 0.0
-
-
+# the rewards that score a completion's text; those of a tool run (`tool`, `zoom_target`) are
+# vlmexp.tools.rewards' TOOL_REWARDS, and the loader's REWARDS joins both with the model rewards
 REGISTRY: dict[str, type[Reward]] = {cls.name: cls for cls in (FormatReward, IoUReward, IoUThresholdReward,
                                                                  GIoUReward, MathReward, ExactReward,
-                                                                 DetectionReward, ToolReward,
-                                                                 ZoomTargetReward)}
-
-
-def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
-    """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only
-    the form). A module:function reward or a model reward (judge, reward_model) may score any task, so with
-    one nothing is reported."""
-    if any(name not in REGISTRY for name in names):
-        return []
-    scored = {task for name in names for task in REGISTRY[name].tasks}
-    return sorted(tasks - scored)
-
-
-def scoring_rewards(task: str) -> list[str]:
-    """The built-in rewards that score `task`'s answers."""
-    return [name for name, cls in REGISTRY.items() if task in cls.tasks]
+                                                                 DetectionReward)}
 
 
 class guarded:  # noqa: N801 - used like a function; a class so the reward stays picklable

@@ -1,8 +1,10 @@
 """From a config's reward entry to the callable GRPO, DPO's pair scoring and evaluation call: a registered
-name (`vlmexp.rewards.REGISTRY`, and the model rewards' `vlmexp.model_rewards.MODEL_REGISTRY`: `REWARDS`) is
-built with its kwargs and the model family's box frame; a `module:function` reward, the only way config text
-selects code to run, is imported here (training) or, to validate a config, in a child Python process with a
-time limit (`check_custom_reward`). Either comes back wrapped by `vlmexp.rewards.guarded`.
+name (`vlmexp.rewards.REGISTRY`, the tool rewards' `vlmexp.tools.rewards.TOOL_REWARDS` and the model rewards'
+`vlmexp.model_rewards.MODEL_REGISTRY`, joined in `REWARDS`) is built with its kwargs and the model family's box
+frame; a `module:function` reward, the only way config text selects code to run, is imported here (training)
+or, to validate a config, in a child Python process with a time limit (`check_custom_reward`). Either comes
+back wrapped by `vlmexp.rewards.guarded`. Which records' answers the configured rewards leave unscored is
+asked here too (`unscored_tasks`), where all three registries are known.
 """
 
 from __future__ import annotations
@@ -13,24 +15,33 @@ from typing import Any
 
 from vlmexp.errors import short
 from vlmexp.model_rewards import MODEL_REGISTRY
-from vlmexp.rewards import (
-    REGISTRY,
-    DetectionReward,
-    FormatReward,
-    IoUReward,
-    Score,
-    ToolReward,
-    ZoomTargetReward,
-    guarded,
-)
+from vlmexp.rewards import REGISTRY, DetectionReward, FormatReward, IoUReward, Score, guarded
+from vlmexp.tools.rewards import TOOL_REWARDS, ToolReward, ZoomTargetReward
 
+# the rewards computed by rules: on a completion's text, and on a tool run
+RULES = {**REGISTRY, **TOOL_REWARDS}
 # every registered name: the rule-based rewards and the model rewards
-REWARDS = {**REGISTRY, **MODEL_REGISTRY}
+REWARDS = {**RULES, **MODEL_REGISTRY}
 # the rewards that read boxes in the model family's frame (build_reward gives them the frame and the budget)
 FRAMED = (IoUReward, DetectionReward, ToolReward, ZoomTargetReward)
 
 IMPORT_TIMEOUT_ENV = "VLMEXP_REWARD_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT = 120.0  # seconds; a module that imports torch and transformers takes ~5 s here
+
+
+def unscored_tasks(tasks: set[str], names: list[str]) -> list[str]:
+    """The records' tasks that none of the rewards `names` scores the answer of (the format reward scores only
+    the form, the tool rewards the tool run). A module:function reward or a model reward (judge, reward_model)
+    may score any task, so with one nothing is reported."""
+    if any(name not in RULES for name in names):
+        return []
+    scored = {task for name in names for task in RULES[name].tasks}
+    return sorted(tasks - scored)
+
+
+def scoring_rewards(task: str) -> list[str]:
+    """The built-in rewards that score `task`'s answers."""
+    return [name for name, cls in RULES.items() if task in cls.tasks]
 
 
 def _split_ref(ref: str) -> tuple[str, str]:

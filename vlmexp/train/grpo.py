@@ -85,7 +85,7 @@ def check_rewards_score(cfg: Config, tasks: set[str], methods: set[str | None] =
     (records of VLM-R1's `llm` method are scored by a judge alone)."""
     from vlmexp.data.formats import JUDGED_METHOD, NO_JUDGE
     from vlmexp.errors import ConfigError, Problem
-    from vlmexp.rewards import scoring_rewards, unscored_tasks
+    from vlmexp.rewards_loader import scoring_rewards, unscored_tasks
 
     names = [r.name for r in cfg.grpo.rewards]
     if JUDGED_METHOD in methods and "judge" not in names:
