@@ -1,10 +1,10 @@
 """From a config's reward entry to the callable GRPO, DPO's pair scoring and evaluation call: a registered
-name (`vlmexp.rewards.REGISTRY`, the tool rewards' `vlmexp.tools.rewards.TOOL_REWARDS` and the model rewards'
-`vlmexp.model_rewards.MODEL_REGISTRY`, joined in `REWARDS`) is built with its kwargs and the model family's box
-frame; a `module:function` reward, the only way config text selects code to run, is imported here (training)
-or, to validate a config, in a child Python process with a time limit (`check_custom_reward`). Either comes
-back wrapped by `vlmexp.rewards.guarded`. Which records' answers the configured rewards leave unscored is
-asked here too (`unscored_tasks`), where all three registries are known.
+name (`vlmexp.rewards.REGISTRY`, the tool rewards' `vlmexp.tools.rewards.TOOL_REWARDS` and the model
+rewards' `vlmexp.model_rewards.MODEL_REGISTRY`, joined in `REWARDS`) is built with its kwargs and the model
+family's box frame; a `module:function` reward, the only way config text selects code to run, is imported
+here (training) or, to validate a config, in a child Python process with a time limit
+(`check_custom_reward`). Either comes back wrapped by `vlmexp.rewards.guarded`. Which records' answers the
+configured rewards leave unscored is asked here too (`unscored_tasks`), where all three registries are known.
 """
 
 from __future__ import annotations
