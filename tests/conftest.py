@@ -71,9 +71,9 @@ def pytest_make_collect_report(collector):
     _skip_fails(outcome.get_result())
 
 
-# The whole suite from a fresh clone, `make test` with its install, on the 2-core AMD EPYC machine with nothing
-# else running: 14 min 5 s, 808 s of pytest for 610 tests (cd2b9d1, 2026-11-29), against 1,092-1,284 s of
-# pytest for fewer tests when the 15-minute goal was set (746cca2); bench/RESULTS.md.
+# The whole suite from a fresh clone, `make test` with its install, on the 2-core AMD EPYC machine with
+# nothing else running: 14 min 5 s, 808 s of pytest for 610 tests (cd2b9d1, 2026-11-29), against 1,092-1,284 s
+# of pytest for fewer tests when the 15-minute goal was set (746cca2); bench/RESULTS.md.
 # Wall seconds of each test module's tests in one whole-suite run (3 test processes on the 2-core machine,
 # 2026-11-26), for the order below; a module under ten seconds is left out. Only the order depends on it, and
 # it goes stale as modules change: pytest-xdist gives a process its next module as soon as the current one has
