@@ -241,24 +241,32 @@ def test_the_metrics_reach_mlflow_and_a_resumed_run_goes_on_filtering(tmp_path, 
         assert generated >= 2 + flat and _history(client, run, "online_filter/groups_short")[0][1] == 0
 
 
-@pytest.mark.slow
-def test_the_zoom_tools_multi_turn_groups_are_filtered(tmp_path, tiny_models):
-    """Four scripted records (tests/test_zoom.py): two answer right (one after a zoom), two never do; key
-    exact with low 0.5 keeps the first two, and a second round of the same records fills the batch with them.
-    The pairing guard checks every micro-batch's images and crops against its record and environment."""
+def _scripted_zoom_trainer(tmp_path: Path, tiny_models, *band: str):
+    """A GRPO trainer over four scripted zoom records (tests/test_zoom.py), 4 groups of 2 in one step, the
+    filter keyed on the exact reward with `band`."""
     from test_zoom import scripted, tool_cfg, write_records
 
     from vlmexp.train.grpo import build_grpo_trainer
-    from vlmexp.train.grpo_pairing import EXPECTED
-    from vlmexp.train.stage import train_and_save
 
     records = write_records(tmp_path / "data", ["zoom", "outside", "malformed", "forever"])
     cfg = tool_cfg(tmp_path / "out", tiny_models["qwen2_5_vl"], records, "grpo.args.max_steps=1",
                    "grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=2",
                    "grpo.args.gradient_accumulation_steps=1", "grpo.online_filter.enabled=true",
-                   "grpo.online_filter.key=exact", "grpo.online_filter.low=0.5")
+                   "grpo.online_filter.key=exact", *band)
     trainer, inputs, rows = build_grpo_trainer(cfg)
     scripted(trainer.model, inputs.processor, inputs.family, inputs.budget)
+    return trainer, inputs, rows
+
+
+@pytest.mark.slow
+def test_the_zoom_tools_multi_turn_groups_are_filtered(tmp_path, tiny_models):
+    """Four scripted records (tests/test_zoom.py): two answer right (one after a zoom), two never do; key
+    exact with low 0.5 keeps the first two, and a second round of the same records fills the batch with them.
+    The pairing guard checks every micro-batch's images and crops against its record and environment."""
+    from vlmexp.train.grpo_pairing import EXPECTED
+    from vlmexp.train.stage import train_and_save
+
+    trainer, inputs, rows = _scripted_zoom_trainer(tmp_path, tiny_models, "grpo.online_filter.low=0.5")
     batches, generate = [], trainer._generate_and_score_completions
 
     def keep(generation_batch):
@@ -274,6 +282,46 @@ def test_the_zoom_tools_multi_turn_groups_are_filtered(tmp_path, tiny_models):
     logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
     assert (logs["online_filter/groups_kept"], logs["online_filter/dropped_low"], logs["online_filter/rounds"]
             ) == (4, 4, 1)
+
+
+@pytest.mark.slow
+def test_filled_groups_keep_their_crops_in_the_forward_and_train_nothing(tmp_path, tiny_models):
+    """A band no zoom-run group reaches and no extra round: the batch is filled with dropped groups, among
+    them rows whose completions hold the tool's crops. Their tool mask takes them out of the loss while their
+    completion mask, the forward's attention, keeps every crop: the step runs and the pairing guard sees each
+    row's images whole. Zeroed completion masks, as the fill once had, hide the crops from Qwen-VL's rope
+    index (each later row then takes another image's grid): the guard refuses such a batch."""
+    import copy
+
+    import torch
+
+    from vlmexp.train.grpo_pairing import PairingError, check_pairing
+    from vlmexp.train.stage import train_and_save
+
+    trainer, inputs, rows = _scripted_zoom_trainer(tmp_path, tiny_models, "grpo.online_filter.low=0.1",
+                                                   "grpo.online_filter.high=0.5",
+                                                   "grpo.online_filter.max_extra_rounds=0")
+    batches, prepare = [], trainer._prepare_inputs
+
+    def keep(generation_batch):
+        batches.append(batch := prepare(generation_batch))  # the micro-batch the loss gets, guard passed
+        return batch
+
+    trainer._prepare_inputs = keep
+    train_and_save(trainer, inputs, rows)
+    [batch] = batches
+    crops = [i for i, n in enumerate(batch["num_images"]) if n > 1]
+    assert crops and len(crops) < len(batch["num_images"])  # rows with crops beside rows without
+    assert not batch["advantages"].any() and batch["num_items_in_batch"].item() == 0
+    assert batch["completion_mask"].any(1).all() and not batch["tool_mask"].any()
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert (logs["online_filter/groups_kept"], logs["online_filter/groups_short"]) == (0, 4)
+    hidden = copy.copy(batch)
+    hidden["completion_mask"] = batch["completion_mask"].clone()
+    hidden["completion_mask"][crops] = 0
+    with pytest.raises(PairingError, match=f"sample {crops[0]} .*an image masked out of the forward"):
+        check_pairing(hidden, inputs.family, inputs.budget, trainer.image_token_id, 0)
+    assert torch.equal(hidden["prompt_mask"], batch["prompt_mask"])
 
 
 @pytest.mark.slow

@@ -109,6 +109,11 @@ class Family:
         """`image_token` placeholders a layout puts in the prompt."""
         raise NotImplementedError
 
+    def layout_image_tokens(self, layout, budget) -> list[int]:
+        """The placeholders of each image of a layout, in order: asked only of the families whose batches
+        carry image-token types (`mm_token_type_ids`), whose model finds each image as one run of them."""
+        raise NotImplementedError
+
     # ---- the embedded model (vlmexp.tiny) ------------------------------------------------------------------
     special_tokens: ClassVar[tuple[str, ...]] = ()  # added as special tokens to the tiny tokenizer, in order
     extra_tokens: ClassVar[tuple[str, ...]] = ()  # added as plain tokens, as the real tokenizers do

@@ -169,6 +169,9 @@ class QwenVLFamily(Family):
     def layout_tokens(self, layout, budget: PixelBudget) -> int:
         return self.layout_rows(layout) // budget.merge_size**2
 
+    def layout_image_tokens(self, layout, budget: PixelBudget) -> list[int]:
+        return [int(grid.prod()) // budget.merge_size**2 for grid in layout]
+
     def tiny_image_processor(self, spec):
         import transformers
 

@@ -45,18 +45,22 @@ and splits the generation batch, so two images of one layout cannot trade places
 TRL's other silent path: when any sample's image-token count does not match its grids,
 `_generate_and_score_completions` drops the images of the whole batch ("Drop all images", `has_mismatch`; in
 trl 1.16 reachable through tool-returned images) and would train on the text alone. The family module says
-what a layout is (`Family.image_layout`, `batch_layouts`, `layout_rows`, `layout_tokens`).
+what a layout is (`Family.image_layout`, `batch_layouts`, `layout_rows`, `layout_tokens`,
+`layout_image_tokens`).
 
 Tools (grpo.tools): a crop the zoom tool returns is one more image of its sample, after the record's, its
 placeholders in the completion (TRL's tool turn). The expected layout is then the record's images followed by
 the crops the sample's environment made, in order; TRL drops a tool result that would not fit
 max_completion_length, so a sample may carry fewer crops than its environment made, never others. Image
-tokens are counted over prompt and completion.
+tokens are counted over prompt and completion, and each image must show whole, as one run of image-token
+types, under the forward's attention mask (`attended_images`): Qwen-VL's rope index gives each run the batch's
+next grid, so one image masked out shifts every later sample onto another image's grid.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -131,6 +135,7 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
         off = ((types[:, : is_image.size(1)] == 1) != is_image).any(1)
         problems += [f"sample {i} ({labels[i]}): image-token types do not line up with its image tokens "
                      "(the processor pads on the other side)" for i in off.nonzero().flatten().tolist()]
+        problems += attended_images(batch, types, expected, labels, family, budget)
     if sum(want_rows) != pixels.size(0):
         problems.append(f"{pixels.size(0)} pixel rows for {family.layout_name} needing {sum(want_rows)}")
     if problems:
@@ -138,6 +143,27 @@ def check_pairing(batch: dict[str, Any], family: Family, budget, image_token_id:
             f"GRPO step {step}: completions paired with images that are not their prompt's ({len(problems)} "
             f"problem(s)): {'; '.join(problems[:4])}. Training stopped before the update; this TRL version "
             "breaks the pairing (vlmexp/train/grpo_pairing.py explains the one fixed for trl 1.16)")
+
+
+def attended_images(batch: dict[str, Any], types: torch.Tensor, expected, labels, family: Family,
+                    budget) -> list[str]:
+    """What is wrong with the images the forward's attention mask (prompt_mask, completion_mask) shows: the
+    model's rope index (Qwen-VL's get_rope_index) reads each image as one run of image-token types under
+    that mask and takes the batch's next grid for it, so each sample must show every one of its images,
+    whole. An image whose tokens are masked out (a crop in a completion whose mask was zeroed) keeps its
+    grid in the batch, and every later sample takes the wrong grid: a "shape mismatch" in the forward, or,
+    where the grids are equal, wrong positions in silence."""
+    shown = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).bool()
+    problems = []
+    for i, (row, mask) in enumerate(zip((types[:, : shown.size(1)] == 1).tolist(), shown.tolist(),
+                                        strict=True)):
+        runs = [len(list(run)) for flag, run in groupby(f for f, m in zip(row, mask, strict=True) if m)
+                if flag]
+        want = family.layout_image_tokens(expected[i], budget)
+        if runs != want:
+            problems.append(f"sample {i} ({labels[i]}): its images' tokens under the attention mask run "
+                            f"{runs}, its images need {want} (an image masked out of the forward)")
+    return problems
 
 
 # image fields of a batch, flattened over the images (not per token)

@@ -17,7 +17,8 @@ keeps the in-band ones up to the number it was given, and all processes run as m
 furthest short (a gathered maximum: TRL's scoring gathers across processes, so every process must call it
 the same number of times). The rounds' outputs are merged row-wise by the table below; the loss's
 `num_items_in_batch` is recounted. When the rounds run out, the batch is filled with the last round's dropped
-groups closest to the band, their advantages and completion masks zeroed: they train nothing (under the
+groups closest to the band, their advantages and loss masks zeroed (the completion mask; with tools the tool
+mask, since the completion mask is also the forward's attention over the crops): they train nothing (under the
 `dapo`, `bnpo`, `cispo` losses exactly nothing; `grpo`/`dr_grpo` average over sequences, so there they dilute
 the step by their count).
 
@@ -231,7 +232,11 @@ class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
             if fill:  # the fill rows train nothing: no advantage, no completion token in the loss
                 zero = torch.arange(len(chosen) * group, part["advantages"].size(0))
                 part["advantages"][zero] = 0.0
-                part["completion_mask"][zero] = 0
+                # with tools, out of the loss through tool_mask: the completion_mask is also the forward's
+                # attention mask, and a crop the tool returned sits in the completion; masked there, Qwen-VL's
+                # rope index skips its image tokens but not its grid, and every later sample of the
+                # micro-batch takes the wrong grid ("shape mismatch" or, with equal grids, wrong positions)
+                part["tool_mask" if "tool_mask" in part else "completion_mask"][zero] = 0
             parts.append(part)
         counts["groups_kept"] = min(counts["groups_kept"], quota)  # in-band groups trained on
         merged = join(parts, self._tokenizer.pad_token_id)
@@ -267,7 +272,7 @@ class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
         if totals["groups_short"] and self.accelerator.is_main_process:
             wanted = quota * self.accelerator.num_processes
             log.warning("online filter: trained on %d of %d groups in band after %d extra rounds (step %d); "
-                        "the other %d are dropped groups with their advantages and completion masks zeroed, "
+                        "the other %d are dropped groups with their advantages and loss masks zeroed, "
                         "which train nothing (raise grpo.online_filter.max_extra_rounds or widen the band)",
                         wanted - totals["groups_short"], wanted, extra_rounds, self.state.global_step,
                         totals["groups_short"])
