@@ -188,6 +188,18 @@ def test_a_share_without_the_tools_is_refused_where_no_tool_is_offered():
         load_config(REPO / "configs/demo.yaml", ["grpo.tools.without=0.25"])
 
 
+def test_masking_truncated_completions_is_refused_with_tools():
+    """TRL's mask_truncated_completions zeroes the attention over a cut completion's crops (the fault the
+    online filter's fill had: tests/test_online_filter.py); with tools it is refused before anything starts,
+    naming the fix, and allowed without them."""
+    from vlmexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"grpo.args.mask_truncated_completions: true hides the tools' "
+                       r"images .* remove it, or raise grpo.args.max_completion_length"):
+        load_config(REPO / "configs/demo_zoom.yaml", ["grpo.args.mask_truncated_completions=true"])
+    load_config(REPO / "configs/demo.yaml", ["grpo.args.mask_truncated_completions=true"])
+
+
 @pytest.mark.slow
 def test_a_step_whose_calls_return_no_image_trains_on(tmp_path, tiny_models):
     """A GRPO step in which every tool call is refused (boxes outside the image, malformed calls), so no turn

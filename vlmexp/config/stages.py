@@ -251,6 +251,13 @@ class GRPOStageConfig(StageConfig):
         if self.tools.names and "max_tool_calling_iterations" in self.args:
             raise ValueError("grpo.args.max_tool_calling_iterations is set from grpo.tools.max_turns: "
                              "remove it from grpo.args and set grpo.tools.max_turns")
+        if self.tools.names and self.args.get("mask_truncated_completions"):
+            # TRL zeroes a truncated completion's mask, which is also the forward's attention: a crop
+            # inside it vanishes from Qwen-VL's rope index while its grid stays (vlmexp.train.grpo_pairing)
+            raise ValueError("grpo.args.mask_truncated_completions: true hides the tools' images in a "
+                             "truncated completion from the model's forward (TRL 1.16 zeroes its attention "
+                             "mask), and the positions of every later sample go wrong; remove it, or raise "
+                             "grpo.args.max_completion_length so that fewer completions are cut")
         return self
 
 
