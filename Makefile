@@ -22,6 +22,12 @@ TORCH_PIN := $(if $(HAS_GPU),,-c constraints-cpu.txt)
 # clone took 1,275 s in all instead of 1,335 s with it.
 export PYTHONDONTWRITEBYTECODE :=
 
+# Freed memory stays with the process that freed it, in every process make starts (the test processes train
+# in-process too), as `vlmexp run` has it for its stages (vlmexp/pipeline/processes.py HELD_MEMORY): an SFT
+# step's large tensors are not faulted in again at every step. A value the caller set is kept.
+export MALLOC_MMAP_THRESHOLD_ ?= 1073741824
+export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
+
 .PHONY: install install-demo chromium demo test test-fast clean
 
 # The demo's install: the package and its dependencies, none of the extras. `make demo` imports nothing of

@@ -137,9 +137,12 @@ def cell_name(seed: int, arithmetic: str) -> str:
 
 
 def launch(args: argparse.Namespace, seed: int, arithmetic: str) -> Path:
-    """Run one cell in a child process with its arithmetic's environment; its JSON's path."""
+    """Run one cell in a child process with its arithmetic's environment, over a pipeline stage's; its JSON's
+    path."""
+    from vlmexp.pipeline.processes import stage_env
+
     out = Path(args.out_dir) / cell_name(seed, arithmetic)
-    env = {**os.environ, **ARITHMETIC[arithmetic], "OMP_NUM_THREADS": str(args.threads),
+    env = {**stage_env(), **ARITHMETIC[arithmetic], "OMP_NUM_THREADS": str(args.threads),
            "MKL_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, __file__, "--cell", str(seed), "--config", args.config,
            *(["--dpo", args.dpo] if args.dpo else []),

@@ -11,7 +11,7 @@ import pytest
 
 from vlmexp.checks.loader import load_config
 from vlmexp.pipeline.keys import claim_stage_dir, read_key, stage_done, stage_key
-from vlmexp.pipeline.processes import StageFailed, run_streaming
+from vlmexp.pipeline.processes import HELD_MEMORY, StageFailed, run_streaming, stage_env
 from vlmexp.pipeline.steps import remote_result, write_result
 from vlmexp.provenance import flatten
 from vlmexp.results import StageResult
@@ -76,6 +76,33 @@ def test_a_failing_subprocess_reports_its_exit_code_and_last_lines():
     with pytest.raises(StageFailed, match=r"exited with code 3; last lines:\nline 60\n(.|\n)*line 99$"):
         run_streaming([sys.executable, "-c", code], {"PATH": "/usr/bin"}, lines.append)
     assert len(lines) == 100  # every line streamed as it came
+
+
+# a stage's process allocating, filling and freeing a 64 MiB buffer ten times: the pages the kernel faulted in
+_REFILLS = """
+import resource
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    buffer = b"x" * (64 << 20)
+    del buffer
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_stage_keeps_freed_memory_for_its_next_step_unless_the_user_says_otherwise(monkeypatch):
+    """A stage's environment holds glibc's freed memory in the process: a buffer freed and allocated again
+    is not faulted in again (16,384 pages a fill otherwise, ten fills); a value the user set is kept."""
+    pages = 64 << 20 >> 12
+    for name in HELD_MEMORY:
+        monkeypatch.delenv(name, raising=False)
+    lines: list[str] = []
+    run_streaming([sys.executable, "-c", _REFILLS], stage_env(), lines.append)
+    assert int(lines[-1]) < 2 * pages, lines
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))  # the user's: glibc's default, fixed
+    env = stage_env()
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(128 << 10) and env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
+    run_streaming([sys.executable, "-c", _REFILLS], env, lines.append)
+    assert int(lines[-1]) > 9 * pages, lines  # every fill a fresh mapping of the kernel's
 
 
 def test_progress_bar_redraws_reach_the_log_at_a_readable_rate():
