@@ -249,6 +249,13 @@ def test_zoom_target_pays_the_share_of_the_target_the_zooms_held():
         1.0, 0.5, 1.0, 0.0, None]
     assert build_reward("zoom_target", {"whole": True}, "grid1000", None)(
         completions=completions, **columns) == [1.0, 0.0, 1.0, 0.0, None]
+    # max_crop_side: a crop wider than 60 pixels (x 0-100 of the 200) holds nothing, one of x 30-80 does
+    narrow = zoomed([250, 0, 1000, 1000], [150, 300, 400, 700])
+    assert build_reward("zoom_target", {"whole": True, "max_crop_side": 60}, "grid1000", None)(
+        completions=[completions[0], narrow], **{k: v[:2] for k, v in columns.items()}) == [0.0, 1.0]
+    with pytest.raises(ValueError, match=r"max_crop_side 20 must be a whole number of pixels at least "
+                                         r"grpo.tools.min_crop_side \(28\)"):
+        build_reward("zoom_target", {"max_crop_side": 20}, "grid1000", None)
     two = {"bbox": [[[40, 40, 60, 60], [150, 40, 170, 60]]], "image_sizes": [[[200, 100]]]}
     assert build_reward("zoom_target", {}, "grid1000", None)(completions=completions[:1], **two) == [0.5]
     # GRPO tells it the tool's min_crop_side; a single answer's scoring leaves it out; it needs the tool

@@ -67,14 +67,25 @@ class ZoomTargetReward(Reward):
     target lies whole inside a crop (evaluation's tool_zoom_on_target) else 0. A completion without a zoom
     scores 0; a record without a box, or a prompt given without the tools (grpo.tools.without), None. The
     crops are found again from the calls as the tool made them (vlmexp.tools.zoom.replayed_zooms;
-    `min_crop_side` is grpo.tools.min_crop_side, set by the loader). Paid beside the answer's reward, it
-    rewards where the zoom looked, not only what was answered."""
+    `min_crop_side` is grpo.tools.min_crop_side, set by the loader). With `max_crop_side` (original pixels),
+    a crop with a longer side holds nothing: the processor shrinks it into the image budget, where the detail
+    the zoom was for is lost, and a policy paid for holding the target learns to widen its windows until they
+    hold it and show nothing (bench/RESULTS.md). Paid beside the answer's reward, it rewards where the zoom
+    looked, not only what was answered."""
 
     name: ClassVar[str] = "zoom_target"
     whole: bool = False
     min_crop_side: int = 28
+    max_crop_side: int | None = None
     frame: str = "pixels"
     budget: Any = None
+
+    def __post_init__(self) -> None:
+        side = self.max_crop_side
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)
+                                 or side < self.min_crop_side):
+            raise TypeError(f"max_crop_side {side!r} must be a whole number of pixels at least "
+                            f"grpo.tools.min_crop_side ({self.min_crop_side}), or null for no limit")
 
     def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
                  log_metric: Callable[[str, float], None] | None = None,
@@ -95,6 +106,8 @@ class ZoomTargetReward(Reward):
         targets = [bbox] if isinstance(bbox[0], (int, float)) else list(bbox)
         width, height = image_sizes[0]
         crops = replayed_zooms(completion, width, height, self.frame, self.budget, self.min_crop_side)
+        if self.max_crop_side is not None:
+            crops = [c for c in crops if max(c[2] - c[0], c[3] - c[1]) <= self.max_crop_side]
         if self.whole:
             return float(bool(crops) and held_targets(crops, targets))
         return sum(max((inside(c, t) for c in crops), default=0.0) for t in targets) / len(targets)
