@@ -307,8 +307,8 @@ def test_readme_zoom_table_is_the_recorded_matrix():
     cell by cell (seeds 42 and 7 on both arithmetics, 1,000 held-out records): the base model answers nothing
     in form; with the tool the SFT and GRPO models zoom on every record and read what a zoom shows, the tool
     adding 10 paired SE or more; without it SFT guesses; GRPO answers better than SFT with the tool in every
-    cell, by 3 paired SE or more in three cells of the four, and its zooms hold the whole target more often
-    than SFT's in three (the README's zoom text names the figures)."""
+    cell, by 3 paired SE or more, and its zooms hold the whole target more often than SFT's in every cell (the
+    README's zoom text names the figures)."""
     cells = _recorded_cells("ZOOM_MARKERS", REPO / "bench" / "results" / "demo_zoom")
     recorded = {(c["seed"], c["arithmetic"]) for c in cells}
     assert recorded == {(seed, arithmetic) for seed in (42, 7) for arithmetic in ("avx2", "default")}
@@ -322,12 +322,10 @@ def test_readme_zoom_table_is_the_recorded_matrix():
             assert m[stage]["exact_accuracy"] <= 0.3, cell
             gain = c["tool_gains_over_no_tool"][stage]  # with the tool, over the same model without it
             assert gain["gain"] > 0 and gain["gain"] >= 10 * gain["se"], (cell, stage, gain)
-        assert c["tool_gains_over_sft"]["grpo"]["gain"] > 0, cell  # GRPO over SFT, both with the tool
-    rl = [c["tool_gains_over_sft"]["grpo"] for c in cells]
-    assert sum(g["gain"] >= 3 * g["se"] for g in rl) == 3, rl
-    held = [c["metrics"]["grpo"]["tool_zoom_on_target"] > c["metrics"]["sft"]["tool_zoom_on_target"]
-            for c in cells]
-    assert sum(held) == 3, held
+        rl = c["tool_gains_over_sft"]["grpo"]  # GRPO over SFT, both with the tool
+        assert rl["gain"] > 0 and rl["gain"] >= 3 * rl["se"], (cell, rl)
+        held = m["sft"]["tool_zoom_on_target"], m["grpo"]["tool_zoom_on_target"]
+        assert held[1] > held[0], (cell, held)
 
 
 @pytest.mark.slow
