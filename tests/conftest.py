@@ -72,7 +72,7 @@ def pytest_make_collect_report(collector):
 
 
 # The whole suite from a fresh clone, `make test` with its install, on the 2-core AMD EPYC machine with
-# nothing else running: 14 min 5 s to 15 min 39 s, 808-901 s of pytest for 610-613 tests (2026-11-29), against
+# nothing else running: 14 min 5 s to 15 min 39 s, 794-901 s of pytest for 610-613 tests (2026-11-29), against
 # 1,092-1,284 s of pytest for fewer tests when the 15-minute goal was set (746cca2); bench/RESULTS.md. The run
 # is CPU-bound (both cores busy from the install's end to the last test): a test that waits costs no wall
 # time, a test that computes does, and a fourth test process gains nothing (875 s, within three's 808-876 s).
