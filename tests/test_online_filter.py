@@ -37,6 +37,8 @@ STEPS = ["grpo.args.per_device_train_batch_size=8", "grpo.args.num_generations=4
     (["grpo.online_filter.key=overall", "grpo.online_filter.low=0.5", "grpo.online_filter.high=0.5"],
      "low (0.5) must be below high (0.5)"),
     (["grpo.online_filter.max_extra_rounds=-1"], "greater than or equal to 0"),
+    (["grpo.online_filter.refill=half"], "grpo.online_filter.refill = 'half': Input should be 'whole' or "
+                                         "'needed'"),
 ])
 def test_config_refusals(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -106,15 +108,19 @@ def _cfg(out: Path, model: Path, *overrides: str):
         *overrides])
 
 
-def _train(cfg):
+def _train(cfg, refills: list[int] | None = None):
     """Train the GRPO stage of `cfg`; (trainer, the generation batches the loss got, the labels of their
-    records' rows that train: advantages and completion mask not zeroed)."""
+    records' rows that train: advantages and completion mask not zeroed). `refills` gets each extra round's
+    rows."""
     from vlmexp.train.grpo import build_grpo_trainer
     from vlmexp.train.grpo_pairing import EXPECTED
     from vlmexp.train.stage import train_and_save
 
     trainer, inputs, rows = build_grpo_trainer(cfg)
     batches, generate = [], trainer._generate_and_score_completions
+    if refills is not None:
+        refill = trainer._refill
+        trainer._refill = lambda size, *rest: refills.append(size) or refill(size, *rest)
 
     def keep(generation_batch):  # the merged batch, as TRL's _prepare_inputs receives it
         batches.append(output := generate(generation_batch))
@@ -158,6 +164,29 @@ def test_flat_groups_are_dropped_and_refilled_from_new_prompts(tmp_path, tiny_mo
     assert _logged(trainer, "online_filter/groups_short") == [0.0] * 3
     assert max(_logged(trainer, "online_filter/rounds")) > 0
     assert all(s > 0 for s in _logged(trainer, "online_filter/generation_seconds"))
+
+
+@pytest.mark.slow
+def test_a_needed_refill_generates_about_the_missing_groups(tmp_path, tiny_models):
+    """refill: needed, 4 groups a step: each extra round generates the groups still missing over the step's
+    in-band share so far, fewer than a batch when most were kept; the batch still holds 4 odd rows' groups."""
+    from vlmexp.train.online_filter import refill_groups
+
+    refills = []
+    cfg = _cfg(tmp_path, tiny_models["qwen2_5_vl"], ODD, "grpo.args.max_steps=3",
+               "grpo.args.per_device_train_batch_size=16", "grpo.online_filter.max_extra_rounds=8",
+               "grpo.online_filter.refill=needed")
+    trainer, _, trained = _train(cfg, refills)
+    assert all(len(t) == 16 for t in trained) and all(_row(label) % 2 for t in trained for label in t)
+    assert _logged(trainer, "online_filter/groups_kept") == [4.0] * 3
+    assert _logged(trainer, "online_filter/groups_short") == [0.0] * 3
+    assert refills and all(r % 4 == 0 and r <= 16 for r in refills) and min(refills) < 16
+    assert sum(_logged(trainer, "online_filter/groups_generated")) == 3 * 4 + sum(refills) // 4
+    opts = trainer.online_filter
+    assert [refill_groups(opts, 4, s, k, g) for s, k, g in ((1, 3, 4), (3, 1, 4), (2, 0, 4), (1, 6, 8))] == [
+        2, 4, 4, 2]
+    whole = opts.model_copy(update={"refill": "whole"})
+    assert refill_groups(whole, 4, 1, 3, 4) == 4
 
 
 @pytest.mark.slow

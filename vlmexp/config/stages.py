@@ -147,6 +147,11 @@ class OnlineFilterConfig(Section):
                                                        "refill the dropped groups; when they run out, the "
                                                        "batch is filled with dropped groups that train "
                                                        "nothing.")
+    refill: Literal["whole", "needed"] = Field(
+        "whole", description="How many groups an extra round generates: whole (a whole generation batch, as "
+                             "EasyR1 and verl refill) or needed (the groups still missing divided by the "
+                             "share of in-band groups so far in this generation batch, at most a batch: "
+                             "fewer rollouts generated and not trained on, sometimes one more round).")
 
     @model_validator(mode="after")
     def _bounds(self) -> OnlineFilterConfig:

@@ -11,9 +11,11 @@ How (trl 1.16): `_generate_and_score_completions` is called once per generation 
 buffers it for steps_per_generation x num_iterations steps). This trainer calls TRL's (through the pairing
 guard's) once per round; round 0 on the batch TRL's sampler gave, the next rounds on prompts drawn by a
 permutation of the training set seeded by (seed, global step, generation within the step, round) that skips
-this step's prompts (so nothing is kept in checkpoints and a resumed run refills alike). Each process judges
-its own groups (`num_generations` consecutive rows; the per-process generation batch must hold whole groups),
-keeps the in-band ones up to the number it was given, and all processes run as many rounds as the one
+this step's prompts (so nothing is kept in checkpoints and a resumed run refills alike). A round refills a
+whole batch (`refill: whole`, as EasyR1 and verl do) or about the groups still missing (`needed`: the
+shortfall over this generation's in-band share so far, `refill_groups`). Each process judges its own groups
+(`num_generations` consecutive rows; the per-process generation batch must hold whole groups), keeps the
+in-band ones up to the number it was given, and all processes run as many rounds as the one
 furthest short (a gathered maximum: TRL's scoring gathers across processes, so every process must call it
 the same number of times). The rounds' outputs are merged row-wise by the table below; the loss's
 `num_items_in_batch` is recounted. When the rounds run out, the batch is filled with the last round's dropped
@@ -158,6 +160,15 @@ def _pad_cat(values: list[torch.Tensor], side: str, value: float) -> torch.Tenso
     return pad(rows, padding_value=value, padding_side=side)
 
 
+def refill_groups(opts: OnlineFilterConfig, quota: int, short: int, kept: int, generated: int) -> int:
+    """Groups each process generates in the next round: a whole batch (`refill: whole`, as EasyR1 and verl
+    refill), or (`needed`) the groups the process furthest short still misses divided by the share of in-band
+    groups so far in this generation batch (`kept` of `generated`, over every process), at most a batch."""
+    if opts.refill == "whole" or kept == 0:
+        return quota
+    return min(quota, -(-short * generated // kept))
+
+
 class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
     """GuardedGRPOTrainer whose generation batches hold only groups in the band (the module docstring)."""
 
@@ -192,19 +203,21 @@ class OnlineFilterGRPOTrainer(GuardedGRPOTrainer):
         start, opts, group = time.perf_counter(), self.online_filter, self.num_generations
         quota = len(inputs) // group
         used = {row for rows in gather_object([[x[ROW_COLUMN] for x in inputs[::group]]]) for row in rows}
-        rounds, kept, batch = [], 0, inputs
+        rounds, kept, generated, batch, tally = [], 0, 0, inputs, (quota, 0, 0)
         for extra in range(opts.max_extra_rounds + 1):
             if extra:
-                batch = self._refill(len(inputs), used, extra)
+                batch = self._refill(refill_groups(opts, quota, *tally) * group, used, extra)
             output = super()._generate_and_score_completions(batch)
             here = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1)
                          * len(batch))
             verdicts = judge(self.last_rewards[here], self.reward_weights.to(self.last_rewards.device), group,
                              opts, self.key_column)
             rounds.append((output, verdicts))
-            kept += sum(v == "kept" for v, _ in verdicts)
-            short = torch.tensor(float(max(0, quota - kept)), device=self.accelerator.device)
-            if self.accelerator.gather(short).max().item() == 0:
+            kept, generated = kept + sum(v == "kept" for v, _ in verdicts), generated + len(verdicts)
+            local = torch.tensor([[max(0, quota - kept), kept, generated]], device=self.accelerator.device)
+            every = self.accelerator.gather(local).view(-1, 3)  # [processes, (short, kept, generated)]
+            tally = (int(every[:, 0].max()), int(every[:, 1].sum()), int(every[:, 2].sum()))
+            if tally[0] == 0:
                 break
         # merged even when nothing was dropped: every process then makes the same collective calls
         output, counts = self._merge(rounds, quota)
