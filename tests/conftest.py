@@ -72,10 +72,11 @@ def pytest_make_collect_report(collector):
 
 
 # The whole suite from a fresh clone, `make test` with its install, on the 2-core AMD EPYC machine with
-# nothing else running: 14 min 5 s to 15 min 39 s, 794-901 s of pytest for 610-613 tests (2026-11-29), against
-# 1,092-1,284 s of pytest for fewer tests when the 15-minute goal was set (746cca2); bench/RESULTS.md. The run
-# is CPU-bound (both cores busy from the install's end to the last test): a test that waits costs no wall
-# time, a test that computes does, and a fourth test process gains nothing (875 s, within three's 808-876 s).
+# nothing else running: 13 min 48 s to 15 min 39 s, 776-901 s of pytest for 610-615 tests (2026-11-29),
+# against 1,092-1,284 s of pytest for fewer tests when the 15-minute goal was set (746cca2); bench/RESULTS.md.
+# The run is CPU-bound (both cores busy from the install's end to the last test): a test that waits costs no
+# wall time, a test that computes does, and a fourth test process gains nothing (875 s, within three's
+# 808-876 s).
 # Wall seconds of each test module's tests in one whole-suite run (3 test processes on the 2-core machine,
 # 2026-11-26), for the order below; a module under ten seconds is left out. Only the order depends on it, and
 # it goes stale as modules change: pytest-xdist gives a process its next module as soon as the current one has
