@@ -163,7 +163,9 @@ def _pad_cat(values: list[torch.Tensor], side: str, value: float) -> torch.Tenso
 def refill_groups(opts: OnlineFilterConfig, quota: int, short: int, kept: int, generated: int) -> int:
     """Groups each process generates in the next round: a whole batch (`refill: whole`, as EasyR1 and verl
     refill), or (`needed`) the groups the process furthest short still misses divided by the share of in-band
-    groups so far in this generation batch (`kept` of `generated`, over every process), at most a batch."""
+    groups so far in this generation batch (`kept` of `generated`, over every process), at most a batch. Never
+    fewer than a process misses (the share is at most 1), so when the rounds run out the last round's dropped
+    groups can fill the batch (`_merge`)."""
     if opts.refill == "whole" or kept == 0:
         return quota
     return min(quota, -(-short * generated // kept))
